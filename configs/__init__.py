@@ -1,0 +1,1 @@
+"""Preset YAML files for `{"rocketkv": {"preset": NAME}}` (shipped as package data)."""

@@ -1,0 +1,1 @@
+"""Triton kernels for RocketKV on vLLM's paged KV layout (``rocketkv_vllm.kernels``)."""

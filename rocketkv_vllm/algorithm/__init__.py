@@ -1,0 +1,19 @@
+"""RocketKV as pure functions on tensors (the reference path and the test oracle).
+
+No vLLM imports here: the functions see plain tensors, one request at a time.
+"""
+
+from rocketkv_vllm.algorithm.hsa import hsa_select_pages, sparse_attention
+from rocketkv_vllm.algorithm.snapkv import (
+    pool_scores,
+    snapkv_keep_positions,
+    window_attention_scores,
+)
+
+__all__ = [
+    "hsa_select_pages",
+    "pool_scores",
+    "snapkv_keep_positions",
+    "sparse_attention",
+    "window_attention_scores",
+]

@@ -1,0 +1,77 @@
+"""Stage 2: Hybrid Sparse Attention for one decode query."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hsa_select_pages(
+    q: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    page_valid: torch.Tensor,
+    topr: int,
+    num_pages: int,
+    force_pages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pages each KV head attends to at this step.
+
+    q: [Hq, d] one token's queries. page_min / page_max: [P, Hkv, d] per-page
+    element-wise min / max keys (the KT cache). page_valid: [P] bool.
+    force_pages: optional [P] bool, pages always selected (the current page).
+    Returns [Hkv, P] bool: the top-``num_pages`` pages by the group-averaged
+    SparQ-tempered softmax over page upper-bound scores (all valid pages when
+    there are no more than num_pages of them).
+    """
+    num_q_heads, d = q.shape
+    num_pages_total, num_kv_heads, _ = page_min.shape
+    group = num_q_heads // num_kv_heads
+    qf = q.float().view(num_kv_heads, group, d)
+    # Channel choice and sign are shared by the group.
+    channels = qf.abs().sum(dim=1).topk(topr, dim=-1).indices  # [Hkv, r]
+    positive = qf.sum(dim=1).gather(-1, channels) > 0  # [Hkv, r]
+    idx = channels[:, None, :].expand(num_kv_heads, num_pages_total, topr)
+    kmax = page_max.float().permute(1, 0, 2).gather(-1, idx)
+    kmin = page_min.float().permute(1, 0, 2).gather(-1, idx)
+    bound = torch.where(positive[:, None, :], kmax, kmin)  # [Hkv, P, r]
+    q_r = qf.gather(-1, channels[:, None, :].expand(num_kv_heads, group, topr))
+    scores = torch.einsum("kgr,kpr->kgp", q_r, bound)
+    # SparQ temperature per query head.
+    tau = torch.sqrt(d * q_r.abs().sum(-1) / qf.abs().sum(-1).clamp_min(1e-30))
+    logits = scores / tau.clamp_min(1e-30)[..., None]
+    logits = logits.masked_fill(~page_valid[None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1).mean(dim=1)  # [Hkv, P]
+    selected = torch.zeros(num_kv_heads, num_pages_total, dtype=torch.bool,
+                           device=q.device)
+    num_valid = int(page_valid.sum())
+    if num_valid <= num_pages:
+        selected[:] = page_valid
+        return selected
+    if force_pages is not None:
+        probs = probs.masked_fill(force_pages[None, :] & page_valid[None, :], 2.0)
+    top = probs.topk(num_pages, dim=-1).indices
+    selected.scatter_(1, top, True)
+    return selected
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    token_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Exact attention of q over the tokens each KV head selected.
+
+    q: [Hq, d]; keys / values: [T, Hkv, d]; token_mask: [Hkv, T] bool (every
+    head must keep at least one token). Returns [Hq, d] fp32.
+    """
+    num_q_heads, d = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    qf = q.float().view(num_kv_heads, group, d)
+    logits = torch.einsum("kgd,tkd->kgt", qf, keys.float()) * scale
+    logits = logits.masked_fill(~token_mask[:, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1)
+    out = torch.einsum("kgt,tkd->kgd", probs, values.float())
+    return out.reshape(num_q_heads, d)

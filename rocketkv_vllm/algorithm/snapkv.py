@@ -1,0 +1,66 @@
+"""Stage 1: SnapKV-style selection of the prompt tokens each KV head keeps."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def window_attention_scores(
+    q_win: torch.Tensor, keys: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention mass each prompt key gets from the observation window.
+
+    q_win: [w, Hq, d], the queries of the last w prompt tokens.
+    keys:  [N, Hkv, d], all prompt keys (RoPE applied), N >= w.
+    Returns [Hkv, N - w] fp32: causal softmax(Q_win K^T * scale) per query
+    head, summed over the window queries and the GQA group, window columns
+    dropped.
+    """
+    w, num_q_heads, d = q_win.shape
+    n, num_kv_heads, _ = keys.shape
+    group = num_q_heads // num_kv_heads
+    q = q_win.float().view(w, num_kv_heads, group, d)
+    logits = torch.einsum("wkgd,nkd->kgwn", q, keys.float()) * scale
+    q_pos = torch.arange(n - w, n, device=keys.device)
+    future = torch.arange(n, device=keys.device)[None, :] > q_pos[:, None]
+    logits.masked_fill_(future, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return probs.sum(dim=(1, 2))[:, : n - w]
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """1-D max-pool along the sequence, stride 1, same length out."""
+    return F.max_pool1d(
+        scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
+    )[:, 0, :]
+
+
+def snapkv_keep_positions(
+    q_win: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    prompt_budget: int,
+    kernel_size: int,
+    protect_from: int | None = None,
+) -> torch.Tensor:
+    """Positions each KV head keeps, sorted: [Hkv, prompt_budget] int64.
+
+    Positions >= protect_from are always kept (default N - w: the window, as
+    in the reference; the backend also protects the partly filled last block,
+    which is kept in place). The rest of the budget goes to the highest pooled
+    scores among positions < protect_from.
+    """
+    n = keys.shape[0]
+    w = q_win.shape[0]
+    if protect_from is None:
+        protect_from = n - w
+    assert 0 <= protect_from <= n - w and n > prompt_budget
+    num_select = prompt_budget - (n - protect_from)
+    assert num_select >= 0
+    pooled = pool_scores(window_attention_scores(q_win, keys, scale), kernel_size)
+    chosen = pooled[:, :protect_from].topk(num_select, dim=-1).indices
+    chosen = chosen.sort(dim=-1).values
+    protected = torch.arange(protect_from, n, device=keys.device)
+    protected = protected.expand(keys.shape[1], -1)
+    return torch.cat([chosen, protected], dim=-1)

@@ -1,0 +1,115 @@
+"""How a ROCKETKV engine is configured: checks and adjustments at startup.
+
+``configure_engine`` runs right after the platform's own
+``check_and_update_config`` while vLLM builds its ``VllmConfig`` (see plugin),
+so every problem surfaces at startup with the name of the offending field.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from rocketkv_vllm.config import (
+    CONFIG_KEY,
+    RocketKVSettings,
+    parse_config,
+    plan_request,
+    resolve_settings,
+)
+
+# Under the "vllm" logger so records show with vLLM's own formatting.
+logger = init_logger(f"vllm.{__name__}")
+
+# vLLM fills CommonAttentionMetadata.rswa_prefix_lens with every request's
+# prompt length only when the model has an R-SWA window; ROCKETKV needs those
+# lengths and sets this marker window (no ROCKETKV layer applies R-SWA).
+RSWA_MARKER_WINDOW = 1 << 30
+DEFAULT_BLOCK_SIZE = 16
+
+_logged_settings: set[RocketKVSettings] = set()
+# The settings this process resolved last. vLLM asks the backend for its KV
+# cache spec without a current config, after the layers (which resolve the
+# settings) were built.
+_process_settings: RocketKVSettings | None = None
+
+
+def _raw_config(vllm_config) -> dict:
+    extra = vllm_config.additional_config or {}
+    raw = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(
+            f"additional_config.{CONFIG_KEY} must be a JSON object, got {raw!r}"
+        )
+    return raw or {}
+
+
+def settings_from_vllm_config(vllm_config) -> RocketKVSettings:
+    global _process_settings
+    model_config = vllm_config.model_config
+    _process_settings = resolve_settings(
+        parse_config(_raw_config(vllm_config)),
+        block_size=vllm_config.cache_config.block_size,
+        head_dim=model_config.get_head_size(),
+        max_model_len=model_config.max_model_len,
+    )
+    return _process_settings
+
+
+def process_settings() -> RocketKVSettings:
+    if _process_settings is None:
+        raise RuntimeError("ROCKETKV settings were not resolved in this process")
+    return _process_settings
+
+
+def configure_engine(vllm_config) -> None:
+    """Validate and adapt a VllmConfig whose attention backend is ROCKETKV."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    if model_config is None:
+        return
+    if not cache_config.user_specified_block_size:
+        cache_config.block_size = DEFAULT_BLOCK_SIZE
+
+    refusals = []
+    if vllm_config.speculative_config is not None:
+        refusals.append("speculative decoding (drafts would be verified "
+                        "against a KV cache that eviction already changed)")
+    if vllm_config.kv_transfer_config is not None:
+        refusals.append("KV connectors / disaggregated prefill (a transferred "
+                        "cache would miss ROCKETKV's compaction and KT pages)")
+    if model_config.rswa_window not in (None, RSWA_MARKER_WINDOW):
+        refusals.append("models with reference sliding-window attention")
+    if getattr(model_config.hf_text_config, "sliding_window", None):
+        refusals.append("sliding-window models")
+    if model_config.use_mla:
+        refusals.append("MLA models")
+    if cache_config.cache_dtype not in ("auto", None):
+        refusals.append(f"kv_cache_dtype={cache_config.cache_dtype} (use auto)")
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        refusals.append("decode context parallelism")
+    if refusals:
+        raise ValueError("ROCKETKV attention backend does not support: "
+                         + "; ".join(refusals))
+
+    settings = settings_from_vllm_config(vllm_config)
+
+    if cache_config.enable_prefix_caching:
+        logger.warning(
+            "ROCKETKV: prefix caching disabled (compaction rewrites prompt blocks "
+            "in place, so they cannot be shared between requests)."
+        )
+        cache_config.enable_prefix_caching = False
+
+    model_config.model_arch_config.rswa_window = RSWA_MARKER_WINDOW
+
+    if settings not in _logged_settings:
+        _logged_settings.add(settings)
+        example = plan_request(settings, model_config.max_model_len // 2)
+        logger.info(
+            "ROCKETKV settings: %s; e.g. a %d-token prompt keeps %d tokens per KV "
+            "head (top-k %d, top-r %d).",
+            settings.as_dict(), example.num_prompt_tokens,
+            example.prompt_budget if example.compress else example.num_prompt_tokens,
+            example.topk, example.topr,
+        )

@@ -1,0 +1,240 @@
+"""RocketKV steps on vLLM's paged KV cache, in PyTorch (reference path).
+
+Layout (one attention layer, LBHNC, what vLLM hands the backend):
+  kv_cache [num_blocks, Hkv, block_size, 2*d]: K in [..., :d], V in [..., d:].
+  kt_cache [num_blocks, Hkv, block_size // page_size, 2*d]: per page of
+      page_size slots, element-wise min key in [..., :d], max key in [..., d:].
+      It lives in the padding vLLM allocates after each block (see
+      ``kt_cache_view``), so it is counted and freed with the block; the KT
+      page table of a sequence is therefore its block table.
+
+A request's logical slot s lives at block ``block_row[s // bs]``, offset
+``s % bs``. After compression the slots a request attends to are its
+*view*: [0, num_compact) (kept tokens, compacted per head) and
+[tail_start, seq_len) (last prompt block kept in place, then generated
+tokens). Pages of the view start at 0 and at tail_start, page_size apart.
+
+The Triton kernels in ``rocketkv_vllm.kernels`` implement the same functions
+on the same layout; these are their oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rocketkv_vllm.algorithm import (
+    hsa_select_pages,
+    snapkv_keep_positions,
+    sparse_attention,
+)
+
+
+def kt_cache_view(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The KT pages stored in the per-block padding behind ``kv_cache``."""
+    num_blocks, num_heads, block_size, width = kv_cache.shape
+    pages = block_size // page_size
+    kv_elems = num_heads * block_size * width
+    kt_elems = num_heads * pages * width
+    assert kv_cache.stride(0) >= kv_elems + kt_elems, (
+        "KV block has no room for the KT cache: was the ROCKETKV spec used?"
+    )
+    return torch.as_strided(
+        kv_cache,
+        size=(num_blocks, num_heads, pages, width),
+        stride=(kv_cache.stride(0), pages * width, width, 1),
+        storage_offset=kv_cache.storage_offset() + kv_elems,
+    )
+
+
+def physical_slots(block_row: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """(block ids, offsets) of logical slots of one request."""
+    return block_row[slots // block_size].long(), slots % block_size
+
+
+def write_kv(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new tokens' K/V at vLLM's flat slot ids (block * bs + offset)."""
+    block_size = kv_cache.shape[2]
+    d = key.shape[-1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    # [T, Hkv, d] -> cache[block, :, offset, :]
+    kv_cache[blocks, :, offsets, :d] = key[valid].to(kv_cache.dtype)
+    kv_cache[blocks, :, offsets, d:] = value[valid].to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_row: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [T, Hkv, d] of logical slots shared by all heads."""
+    d = kv_cache.shape[-1] // 2
+    blocks, offsets = physical_slots(block_row, slots, kv_cache.shape[2])
+    kv = kv_cache[blocks, :, offsets, :]
+    return kv[..., :d], kv[..., d:]
+
+
+def compact_kept_tokens(
+    kv_cache: torch.Tensor, block_row: torch.Tensor, kept: torch.Tensor
+) -> None:
+    """Move head h's token at logical slot kept[h, j] to slot j, per head.
+
+    kept: [Hkv, C] sorted ascending, so kept[h, j] >= j: gathering everything
+    before writing makes the overlapping move safe.
+    """
+    num_heads, count = kept.shape
+    if count == 0:
+        return
+    block_size = kv_cache.shape[2]
+    heads = torch.arange(num_heads, device=kept.device)[:, None].expand(-1, count)
+    src_blocks, src_offsets = physical_slots(block_row, kept, block_size)
+    dst = torch.arange(count, device=kept.device)[None, :].expand(num_heads, -1)
+    dst_blocks, dst_offsets = physical_slots(block_row, dst, block_size)
+    moved = kv_cache[src_blocks, heads, src_offsets].clone()
+    kv_cache[dst_blocks, heads, dst_offsets] = moved
+
+
+def write_kt_pages(
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    lo: int,
+    hi: int,
+    page_size: int,
+) -> None:
+    """Recompute the KT pages covering logical slots [lo, hi) (lo page aligned)
+    from the keys in [lo, hi) only."""
+    if hi <= lo:
+        return
+    assert lo % page_size == 0
+    d = kv_cache.shape[-1] // 2
+    block_size = kv_cache.shape[2]
+    num_pages = -(-(hi - lo) // page_size)
+    slots = torch.arange(lo, lo + num_pages * page_size, device=kv_cache.device)
+    keys, _ = gather_kv(kv_cache, block_row, slots.clamp_max(hi - 1))
+    keys = keys.float().view(num_pages, page_size, -1, d)  # [P, ps, Hkv, d]
+    valid = (slots < hi).view(num_pages, page_size, 1, 1)
+    kmin = keys.masked_fill(~valid, float("inf")).amin(dim=1)
+    kmax = keys.masked_fill(~valid, float("-inf")).amax(dim=1)
+    starts = slots[::page_size]
+    blocks, offsets = physical_slots(block_row, starts, block_size)
+    pages = offsets // page_size
+    kt_cache[blocks, :, pages, :d] = kmin.to(kt_cache.dtype)
+    kt_cache[blocks, :, pages, d:] = kmax.to(kt_cache.dtype)
+
+
+def view_page_starts(
+    num_compact: int, tail_start: int, seq_len: int, page_size: int, device
+) -> torch.Tensor:
+    """First logical slot of every page of a request's view."""
+    compact = torch.arange(0, num_compact, page_size, device=device)
+    tail = torch.arange(tail_start, seq_len, page_size, device=device)
+    return torch.cat([compact, tail])
+
+
+def dense_attention(
+    query: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    chunk: int = 512,
+) -> torch.Tensor:
+    """Causal attention of queries [T, Hq, d] at q_positions over logical
+    slots [0, seq_len). Returns [T, Hq, d] in query.dtype."""
+    num_q_heads = query.shape[1]
+    keys, values = gather_kv(
+        kv_cache, block_row, torch.arange(seq_len, device=query.device)
+    )
+    group = num_q_heads // keys.shape[1]
+    k = keys.transpose(0, 1).repeat_interleave(group, dim=0).to(query.dtype)
+    v = values.transpose(0, 1).repeat_interleave(group, dim=0).to(query.dtype)
+    out = torch.empty_like(query)
+    key_pos = torch.arange(seq_len, device=query.device)
+    for start in range(0, query.shape[0], chunk):
+        q = query[start : start + chunk].transpose(0, 1)  # [Hq, t, d]
+        mask = key_pos[None, :] <= q_positions[start : start + chunk, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[None], scale=scale
+        )
+        out[start : start + chunk] = o.transpose(0, 1)
+    return out
+
+
+def snapkv_compress(
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    q_window: torch.Tensor,
+    num_prompt_tokens: int,
+    prompt_budget: int,
+    tail_start: int,
+    kernel_size: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Stage 1 on the paged cache of one request: choose, compact, build KT.
+
+    Returns the kept positions [Hkv, prompt_budget] (for tests and stats).
+    """
+    n = num_prompt_tokens
+    window = q_window.shape[0]
+    keys, _ = gather_kv(kv_cache, block_row, torch.arange(n, device=kv_cache.device))
+    kept = snapkv_keep_positions(
+        q_window, keys, scale, prompt_budget, kernel_size,
+        protect_from=min(n - window, tail_start),
+    )
+    num_compact = prompt_budget - (n - tail_start)
+    compact_kept_tokens(kv_cache, block_row, kept[:, :num_compact])
+    write_kt_pages(kv_cache, kt_cache, block_row, 0, num_compact, page_size)
+    write_kt_pages(kv_cache, kt_cache, block_row, tail_start, n, page_size)
+    return kept
+
+
+def hsa_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    num_compact: int,
+    tail_start: int,
+    seq_len: int,
+    topk: int,
+    topr: int,
+    page_size: int,
+    scale: float,
+    force_current_page: bool = False,
+) -> torch.Tensor:
+    """Stage 2 for one token at position seq_len - 1 (its K/V already stored):
+    update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d]."""
+    d = kv_cache.shape[-1] // 2
+    block_size = kv_cache.shape[2]
+    pos = seq_len - 1
+    page_lo = pos - pos % page_size
+    write_kt_pages(kv_cache, kt_cache, block_row, page_lo, seq_len, page_size)
+
+    starts = view_page_starts(num_compact, tail_start, seq_len, page_size,
+                              kv_cache.device)
+    blocks, offsets = physical_slots(block_row, starts, block_size)
+    kt = kt_cache[blocks, :, offsets // page_size]  # [P, Hkv, 2d]
+    page_valid = torch.ones(starts.shape[0], dtype=torch.bool, device=starts.device)
+    force = None
+    if force_current_page:
+        force = starts == page_lo
+    selected = hsa_select_pages(
+        query, kt[..., :d], kt[..., d:], page_valid, topr,
+        max(topk // page_size, 1), force,
+    )  # [Hkv, P]
+
+    # Tokens of the view, page by page; slots past each region's end masked.
+    slots = (starts[:, None] + torch.arange(page_size, device=starts.device)).flatten()
+    region_end = torch.where(starts < tail_start, num_compact, seq_len)
+    in_view = slots < region_end.repeat_interleave(page_size)
+    keys, values = gather_kv(kv_cache, block_row, slots.clamp_max(seq_len - 1))
+    token_mask = selected.repeat_interleave(page_size, dim=1) & in_view[None, :]
+    return sparse_attention(query, keys, values, token_mask, scale).to(query.dtype)
