@@ -21,6 +21,7 @@ import torch
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -33,9 +34,13 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from rocketkv_vllm import ops
-from rocketkv_vllm.config import RequestPlan, RocketKVSettings, plan_request
-from rocketkv_vllm.engine_config import process_settings, settings_from_vllm_config
+from rocketkv_vllm import paged
+from rocketkv_vllm.config import RequestPlan, RocketKVSettings, max_topk, plan_request
+from rocketkv_vllm.engine_config import (
+    process_settings,
+    settings_from_vllm_config,
+    uses_triton,
+)
 from rocketkv_vllm.kv_cache import make_rocketkv_spec
 
 # Under the "vllm" logger so records show with vLLM's own formatting.
@@ -102,12 +107,33 @@ class RowPlan:
 
 
 @dataclass
+class DecodeBatch:
+    """Single-token rows decoded together: one token per row, row order."""
+
+    rows: list[RowPlan]
+    tokens: torch.Tensor  # [B] index of each row's token in the step
+    block_table: torch.Tensor  # [B, max_blocks]
+    seq_lens: torch.Tensor  # [B] including the new token
+    num_compact: torch.Tensor  # [B] (compressed batch only)
+    tail_start: torch.Tensor
+    topk: torch.Tensor
+    topr: torch.Tensor
+
+
+@dataclass
 class RocketKVMetadata:
     num_actual_tokens: int
+    max_seq_len: int
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
     positions: torch.Tensor  # [num_actual_tokens] logical position of each token
-    rows: list[RowPlan] = field(default_factory=list)
+    rows: list[RowPlan] = field(default_factory=list)  # not in a batch below
+    hsa_batch: DecodeBatch | None = None  # compressed requests, decoding
+    dense_batch: DecodeBatch | None = None  # uncompressed requests, decoding
+
+
+def _is_decode(r: RowPlan) -> bool:
+    return r.q_end - r.q_start == 1 and r.context_len >= r.plan.num_prompt_tokens
 
 
 class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
@@ -158,15 +184,41 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
                 seq_len=seq_lens[i],
                 plan=self._plan(int(prompt_lens[i])),
             ))
+        device = cm.block_table_tensor.device
         positions = torch.empty(cm.num_actual_tokens, dtype=torch.long)
         for r in rows:
             positions[r.q_start : r.q_end] = torch.arange(r.context_len, r.seq_len)
+        hsa_rows = [r for r in rows if _is_decode(r) and r.plan.compress]
+        dense_rows = [r for r in rows if _is_decode(r) and not r.plan.compress]
         return RocketKVMetadata(
             num_actual_tokens=cm.num_actual_tokens,
+            max_seq_len=cm.max_seq_len,
             slot_mapping=cm.slot_mapping,
             block_table=cm.block_table_tensor,
-            positions=positions.to(cm.block_table_tensor.device),
+            positions=positions.to(device),
+            rows=[r for r in rows if not _is_decode(r)],
+            hsa_batch=self._batch(hsa_rows, cm.block_table_tensor),
+            dense_batch=self._batch(dense_rows, cm.block_table_tensor),
+        )
+
+    @staticmethod
+    def _batch(rows: list[RowPlan], block_table: torch.Tensor) -> DecodeBatch | None:
+        if not rows:
+            return None
+        device = block_table.device
+
+        def col(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32).to(device)
+
+        return DecodeBatch(
             rows=rows,
+            tokens=col([r.q_start for r in rows]).long(),
+            block_table=block_table[col([r.row for r in rows]).long()],
+            seq_lens=col([r.seq_len for r in rows]),
+            num_compact=col([r.plan.num_compact for r in rows]),
+            tail_start=col([r.plan.tail_start for r in rows]),
+            topk=col([r.plan.topk for r in rows]),
+            topr=col([r.plan.topr for r in rows]),
         )
 
 
@@ -202,7 +254,17 @@ class RocketKVImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = None
-        self.settings = settings_from_vllm_config(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        self.settings = s = settings_from_vllm_config(vllm_config)
+        self.use_triton = uses_triton(s)
+        self._ops = paged
+        if self.use_triton:
+            from rocketkv_vllm import triton_ops
+
+            self._ops = triton_ops
+        # Fixed per engine so the decode launch shapes never depend on data.
+        self.max_pages = cdiv(vllm_config.model_config.max_model_len, s.page_size) + 1
+        self.max_select = max(max_topk(s) // s.page_size, 1)
         # Window queries of a prompt whose window spans several prefill
         # chunks, keyed by the request's first block id (stable while the
         # request holds its blocks), until the chunk with the prompt's end.
@@ -230,45 +292,112 @@ class RocketKVImpl(AttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         key = key[:n].view(n, self.num_kv_heads, self.head_size)
         value = value[:n].view(n, self.num_kv_heads, self.head_size)
-        kt_cache = ops.kt_cache_view(kv_cache, s.page_size)
-        ops.write_kv(kv_cache, key, value, attn_metadata.slot_mapping[:n])
+        kt_cache = paged.kt_cache_view(kv_cache, s.page_size)
+        paged.write_kv(kv_cache, key, value, attn_metadata.slot_mapping[:n])
 
         for r in attn_metadata.rows:
-            block_row = attn_metadata.block_table[r.row]
-            positions = attn_metadata.positions[r.q_start : r.q_end]
-            q = query[r.q_start : r.q_end]
-            plan = r.plan
-            n_prompt = plan.num_prompt_tokens
-            if not plan.compress or r.seq_len < n_prompt:
-                # Dense: short prompts always, long prompts until their end.
-                out[r.q_start : r.q_end] = ops.dense_attention(
-                    q, positions, kv_cache, block_row, r.seq_len, self.scale
-                )
-                if plan.compress:
-                    self._keep_window_queries(q, positions, block_row, n_prompt)
-                continue
-            num_dense = max(0, n_prompt - r.context_len)
-            if num_dense > 0:
-                # This chunk ends the prompt: dense for the prompt part, then
-                # Stage 1 before any later token of the chunk attends.
-                out[r.q_start : r.q_start + num_dense] = ops.dense_attention(
-                    q[:num_dense], positions[:num_dense], kv_cache, block_row,
-                    n_prompt, self.scale,
-                )
-                window = self._window_for(q[:num_dense], positions[:num_dense],
-                                          block_row, n_prompt)
-                ops.snapkv_compress(
-                    kv_cache, kt_cache, block_row, window, n_prompt,
-                    plan.prompt_budget, plan.tail_start, s.kernel_size,
-                    s.page_size, self.scale,
-                )
-            for i in range(num_dense, r.q_end - r.q_start):
-                out[r.q_start + i] = ops.hsa_decode(
-                    q[i], kv_cache, kt_cache, block_row, plan.num_compact,
-                    plan.tail_start, int(positions[i]) + 1, plan.topk, plan.topr,
-                    s.page_size, self.scale, s.force_current_page,
-                )
+            self._prefill_row(r, attn_metadata, query, out, kv_cache, kt_cache)
+        if attn_metadata.hsa_batch is not None:
+            self._decode_compressed(attn_metadata.hsa_batch, query, out, kv_cache,
+                                    kt_cache)
+        if attn_metadata.dense_batch is not None:
+            self._decode_dense(attn_metadata.dense_batch, attn_metadata.max_seq_len,
+                               query, out, kv_cache)
         return output
+
+    def _prefill_row(self, r: RowPlan, md, query, out, kv_cache, kt_cache) -> None:
+        """A request with several new tokens, or any token of a prompt."""
+        s = self.settings
+        block_row = md.block_table[r.row]
+        positions = md.positions[r.q_start : r.q_end]
+        q = query[r.q_start : r.q_end]
+        plan = r.plan
+        n_prompt = plan.num_prompt_tokens
+        if not plan.compress or r.seq_len < n_prompt:
+            # Dense: short prompts always, long prompts until their end.
+            out[r.q_start : r.q_end] = paged.dense_attention(
+                q, positions, kv_cache, block_row, r.seq_len, self.scale
+            )
+            if plan.compress:
+                self._keep_window_queries(q, positions, block_row, n_prompt)
+            return
+        num_dense = max(0, n_prompt - r.context_len)
+        if num_dense > 0:
+            # This chunk ends the prompt: dense for the prompt part, then
+            # Stage 1 before any later token of the chunk attends.
+            out[r.q_start : r.q_start + num_dense] = paged.dense_attention(
+                q[:num_dense], positions[:num_dense], kv_cache, block_row,
+                n_prompt, self.scale,
+            )
+            window = self._window_for(q[:num_dense], positions[:num_dense],
+                                      block_row, n_prompt)
+            self._ops.snapkv_compress(
+                kv_cache, kt_cache, block_row, window, n_prompt,
+                plan.prompt_budget, plan.tail_start, s.kernel_size,
+                s.page_size, self.scale,
+            )
+            if s.poison_evicted_blocks:
+                self._poison_evicted(kv_cache, kt_cache, block_row, plan)
+        # Tokens after the prompt (recomputed after a preemption): one at a
+        # time, each seeing only its past, as in decoding.
+        for i in range(num_dense, r.q_end - r.q_start):
+            out[r.q_start + i] = self._hsa_one(
+                q[i], kv_cache, kt_cache, block_row, plan, int(positions[i]) + 1)
+
+    def _hsa_one(self, q, kv_cache, kt_cache, block_row, plan, seq_len):
+        s = self.settings
+        if not self.use_triton:
+            return paged.hsa_decode(
+                q, kv_cache, kt_cache, block_row, plan.num_compact, plan.tail_start,
+                seq_len, plan.topk, plan.topr, s.page_size, self.scale,
+                s.force_current_page,
+            )
+        row = RowPlan(0, 0, 1, seq_len - 1, seq_len, plan)
+        batch = RocketKVMetadataBuilder._batch([row], block_row[None])
+        return self._hsa_batch(q[None], batch, kv_cache, kt_cache)[0]
+
+    def _hsa_batch(self, q, batch: DecodeBatch, kv_cache, kt_cache):
+        from rocketkv_vllm import triton_ops
+
+        s = self.settings
+        return triton_ops.hsa_decode_batch(
+            q, kv_cache, kt_cache, batch.block_table, batch.num_compact,
+            batch.tail_start, batch.seq_lens, batch.topk, batch.topr, s.page_size,
+            self.scale, self.max_pages, self.max_select, s.force_current_page,
+        )
+
+    def _decode_compressed(self, batch: DecodeBatch, query, out, kv_cache, kt_cache):
+        if self.use_triton:
+            q = query[batch.tokens]
+            out[batch.tokens] = self._hsa_batch(q, batch, kv_cache, kt_cache)
+            return
+        for r, block_row in zip(batch.rows, batch.block_table):
+            out[r.q_start] = self._hsa_one(
+                query[r.q_start], kv_cache, kt_cache, block_row, r.plan, r.seq_len)
+
+    def _decode_dense(self, batch: DecodeBatch, max_seq_len, query, out, kv_cache):
+        if self.use_triton:
+            from rocketkv_vllm import triton_ops
+
+            out[batch.tokens] = triton_ops.dense_decode(
+                query[batch.tokens], kv_cache, batch.block_table, batch.seq_lens,
+                self.scale, max_seq_len,
+            )
+            return
+        for r, block_row in zip(batch.rows, batch.block_table):
+            pos = torch.tensor([r.seq_len - 1], device=query.device)
+            out[r.q_start : r.q_end] = paged.dense_attention(
+                query[r.q_start : r.q_end], pos, kv_cache, block_row, r.seq_len,
+                self.scale,
+            )
+
+    def _poison_evicted(self, kv_cache, kt_cache, block_row, plan) -> None:
+        """Test aid: NaN-fill the blocks the scheduler is about to take back,
+        so any later read of them shows up as NaN in the output."""
+        start, end = plan.freed_block_range(self.settings.block_size)
+        blocks = block_row[start:end].long()
+        kv_cache[blocks] = float("nan")
+        kt_cache[blocks] = float("nan")
 
     def _window_start(self, n_prompt: int) -> int:
         return n_prompt - self.settings.window_size

@@ -47,6 +47,8 @@ class RocketKVConfig:
     max_new_tokens: int = 256  # generation length the token_budget split assumes
     force_current_page: bool = False
     kernel: str = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
+    free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
+    poison_evicted_blocks: bool = False  # tests: NaN-fill blocks before freeing
     preset: str | None = None
 
 
@@ -130,12 +132,14 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     ps = merged.get("page_size")
     if ps is not None and ps & (ps - 1):
         _fail("page_size", ps, "a power of two in [1, 256] that divides block_size")
-    if not isinstance(merged.get("force_current_page", False), bool):
-        _fail("force_current_page", merged["force_current_page"], "true or false")
+    for name in ("force_current_page", "free_evicted_blocks", "poison_evicted_blocks"):
+        if not isinstance(merged.get(name, False), bool):
+            _fail(name, merged[name], "true or false")
     if merged.get("kernel", "auto") not in KERNEL_CHOICES:
         _fail("kernel", merged["kernel"], f"one of {list(KERNEL_CHOICES)}")
     for name in ("prompt_budget", "window_size", "kernel_size", "topk",
-                 "max_new_tokens", "force_current_page", "kernel"):
+                 "max_new_tokens", "force_current_page", "kernel",
+                 "free_evicted_blocks", "poison_evicted_blocks"):
         if merged.get(name, 0) is None:
             _fail(name, None, "a value (null only for token_budget, page_size, topr)")
     return RocketKVConfig(**merged)
@@ -160,6 +164,8 @@ class RocketKVSettings:
     max_new_tokens: int
     force_current_page: bool
     kernel: str
+    free_evicted_blocks: bool
+    poison_evicted_blocks: bool
 
     @property
     def min_prompt_budget(self) -> int:
@@ -184,13 +190,12 @@ def resolve_settings(
     elif cfg.token_budget is not None:
         # KT pages are laid out inside the KV blocks, so the page size is one
         # per engine: the SPEC split for the longest prompt the engine takes,
-        # rounded up to a power of two.
+        # rounded up to a power of two (at most one block).
         n = max(1, max_model_len - cfg.max_new_tokens)
-        page_size = _pow2_at_least(split_token_budget(
-            cfg.token_budget, n, cfg.max_new_tokens, head_dim).page_size)
+        page_size = min(block_size, _pow2_at_least(split_token_budget(
+            cfg.token_budget, n, cfg.max_new_tokens, head_dim).page_size))
     else:
-        page_size = 4
-    page_size = min(page_size, block_size)
+        page_size = min(4, block_size)
     if block_size % page_size:
         _fail("page_size", page_size, f"a power of two that divides block_size={block_size}")
     topr = head_dim if cfg.topr is None else cfg.topr
@@ -211,6 +216,8 @@ def resolve_settings(
         max_new_tokens=cfg.max_new_tokens,
         force_current_page=cfg.force_current_page,
         kernel=cfg.kernel,
+        free_evicted_blocks=cfg.free_evicted_blocks,
+        poison_evicted_blocks=cfg.poison_evicted_blocks,
     )
     if cfg.token_budget is None and cfg.prompt_budget < settings.min_prompt_budget:
         _fail(
@@ -291,6 +298,13 @@ def plan_request(settings: RocketKVSettings, num_prompt_tokens: int) -> RequestP
     tail_start = (n // settings.block_size) * settings.block_size
     num_compact = prompt_budget - (n - tail_start) if compress else 0
     return RequestPlan(n, compress, prompt_budget, topk, topr, num_compact, tail_start)
+
+
+def max_topk(settings: RocketKVSettings) -> int:
+    """The largest per-step token selection any request of the engine uses."""
+    if settings.token_budget is None:
+        return settings.topk
+    return max(settings.token_budget // 2 // settings.page_size, 1) * settings.page_size
 
 
 def kept_tokens_per_head(settings: RocketKVSettings, num_prompt_tokens: int) -> int:

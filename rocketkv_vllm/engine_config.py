@@ -7,6 +7,8 @@ so every problem surfaces at startup with the name of the offending field.
 
 from __future__ import annotations
 
+import os
+
 from vllm.logger import init_logger
 
 from rocketkv_vllm.config import (
@@ -61,6 +63,15 @@ def process_settings() -> RocketKVSettings:
     return _process_settings
 
 
+def uses_triton(settings: RocketKVSettings) -> bool:
+    """Triton kernels on NVIDIA GPUs (or anywhere when forced), else PyTorch."""
+    if settings.kernel != "auto":
+        return settings.kernel == "triton"
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 def configure_engine(vllm_config) -> None:
     """Validate and adapt a VllmConfig whose attention backend is ROCKETKV."""
     model_config = vllm_config.model_config
@@ -93,6 +104,14 @@ def configure_engine(vllm_config) -> None:
                          + "; ".join(refusals))
 
     settings = settings_from_vllm_config(vllm_config)
+    from vllm.platforms import current_platform
+
+    if (settings.kernel == "triton" and not current_platform.is_cuda()
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise ValueError(
+            "rocketkv.kernel='triton' is invalid here: allowed on NVIDIA GPUs (or "
+            "with TRITON_INTERPRET=1 for testing); use 'auto' or 'torch'"
+        )
 
     if cache_config.enable_prefix_caching:
         logger.warning(

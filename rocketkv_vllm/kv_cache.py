@@ -72,7 +72,11 @@ class RocketKVManager(FullAttentionManager):
     ) -> None:
         # Only once the step that compacted the prompt has finished: the
         # backend reads every prompt block until then.
-        if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
+        if (
+            not self.settings.free_evicted_blocks
+            or num_prompt_tokens is None
+            or processed_computed_tokens < num_prompt_tokens
+        ):
             return
         plan = plan_request(self.settings, num_prompt_tokens)
         start, end = plan.freed_block_range(self.block_size)

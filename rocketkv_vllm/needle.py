@@ -11,9 +11,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-_NAMES = ["Anna", "Ben", "Clara", "David", "Elena", "Frank", "Grace", "Hugo",
-          "Irene", "Jonas", "Karen", "Leo", "Maria", "Nora", "Oscar", "Paula",
-          "Quentin", "Rosa", "Samuel", "Tina", "Victor", "Wendy"]
 _PLACES = ["market", "library", "park", "bakery", "harbor", "museum",
            "garden", "station", "school", "village square", "river bank",
            "old mill", "post office", "town hall", "train platform", "cafe"]
@@ -33,25 +30,27 @@ _ANIMALS = ["cats", "ducks", "sparrows", "dogs", "goats", "pigeons", "horses",
 _FOODS = ["soup", "rice", "pasta", "salad", "pancakes", "porridge", "fish",
           "cheese", "berries", "tea"]
 _WEATHER = ["cold", "warm", "cloudy", "dry", "foggy", "mild", "stormy", "hot"]
+# No personal names: with names in the filler the 135M model often answered
+# with a name instead of the passphrase (dense 8/12 -> 10/12 without them).
 _TEMPLATES = [
-    "{name} {verb} {thing} at the {place} {time}.",
     "The {place} was {adj} {time}.",
     "Many people like to eat {food} when the weather is {weather}.",
-    "{name} often walks to the {place} to watch the {animals}.",
     "Near the {place}, a group of {animals} rested in the shade.",
-    "{name} and {name2} talked about {food} for a long time.",
     "The road to the {place} is {adj} and lined with trees.",
-    "{name} said that the {place} looks best when it is {weather}.",
     "Nobody expected the {place} to be so {adj} {time}.",
-    "{name} {verb} {thing} and gave it to {name2}.",
+    "Someone {verb} {thing} at the {place} {time}.",
+    "In the {weather} season the {animals} gather near the {place}.",
+    "A shop near the {place} sells {thing} and {food}.",
+    "The children {verb} {thing} near the {place} {time}.",
+    "The {place} is usually {adj} when the weather is {weather}.",
 ]
 
-# Distinctive needle parts: a word plus a four-digit number. The words are
-# single tokens for the SmolLM2 tokenizer: the 135M model tends to drop the
-# first piece of split words ("onyx" -> "yx"), which is noise for the test.
-_SECRET_WORDS = ["amber", "cobalt", "jade", "indigo", "violet", "silver",
-                 "coral", "falcon", "maple", "tiger", "copper", "marble",
-                 "cedar", "lemon", "olive", "pearl", "comet"]
+# Needle = word + "-" + four digits. Words are single tokens for the SmolLM2
+# tokenizer both with and without a leading space: the 135M model often
+# answers in quotes ("word-1234"), and when the no-space form splits into
+# pieces it mangles or drops the word. Words also avoid the filler vocabulary.
+_SECRET_WORDS = ["amber", "orange", "purple", "yellow", "ocean", "forest",
+                 "wolf", "lion", "music", "winter", "summer", "window"]
 NEEDLE_TEMPLATE = "The secret passphrase is {secret}."
 INTRO = ("Below is a long text. Somewhere in it there is a secret passphrase. "
          "Read it carefully.")
@@ -62,15 +61,14 @@ QUESTION = "What is the secret passphrase? Answer with the passphrase only."
 class NeedleCase:
     prompt: str  # final text after the chat template (generation prompt added)
     num_tokens: int  # token count of ``prompt`` per the tokenizer
-    answer: str  # the secret passphrase, e.g. "ruby-7421"
+    answer: str  # the secret passphrase, e.g. "amber-7421"
     depth: float  # needle position as a fraction of the haystack
     token_ids: list[int] = field(default_factory=list, repr=False)
 
 
 def _sentence(rng: random.Random) -> str:
-    name, name2 = rng.sample(_NAMES, 2)
     return rng.choice(_TEMPLATES).format(
-        name=name, name2=name2, verb=rng.choice(_VERBS),
+        verb=rng.choice(_VERBS),
         thing=rng.choice(_THINGS), place=rng.choice(_PLACES),
         time=rng.choice(_TIMES), adj=rng.choice(_ADJS),
         animals=rng.choice(_ANIMALS), food=rng.choice(_FOODS),
@@ -78,11 +76,15 @@ def _sentence(rng: random.Random) -> str:
 
 
 def _haystack(filler: Sequence[str], n: int, needle: str, depth: float) -> str:
-    sents = list(filler[:n])
-    sents.insert(round(depth * n), needle)  # sentence boundary by construction
-    # Short paragraphs read more like a document than one wall of text.
-    paras = [" ".join(sents[i:i + 6]) for i in range(0, len(sents), 6)]
-    return "\n\n".join(paras)
+    k = round(depth * n)  # needle index: a sentence boundary by construction
+
+    def paras(sents: Sequence[str]) -> list[str]:
+        # Short paragraphs read more like a document than one wall of text.
+        return [" ".join(sents[i:i + 6]) for i in range(0, len(sents), 6)]
+
+    # The needle gets its own paragraph: mid-paragraph needles were retrieved
+    # noticeably less reliably by the 135M model under dense attention.
+    return "\n\n".join([*paras(filler[:k]), needle, *paras(filler[k:n])])
 
 
 def _render(tokenizer: Any, haystack: str) -> tuple[str, list[int]]:

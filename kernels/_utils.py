@@ -1,0 +1,86 @@
+"""Small helpers shared by the kernels and their launchers."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether ``mma`` must upcast its operands to fp32.
+
+    Triton 3.9's interpreter multiplies bf16 operands as their raw uint16
+    bits (``create_dot`` feeds numpy the storage view), so under the
+    interpreter bf16 tiles go through fp32; bf16 x bf16 products are exact in
+    fp32, so this matches the GPU's bf16 MMA with fp32 accumulation.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation; fp32 operands use exact IEEE products
+    (no TF32), 16-bit operands the tensor cores."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
+    x = int(x)
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a small constant elsewhere,
+    which keeps grids small under the Triton interpreter)."""
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else
+                         torch.cuda.current_device())
+    return 2
+
+
+def group_pad(group: int) -> int:
+    """GQA group padded to a power of two and to tl.dot's minimum M of 16."""
+    return max(16, next_pow2(group))
+
+
+def head_pad(head_dim: int) -> int:
+    return max(16, next_pow2(head_dim))
+
+
+def row_vectors(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-row scalars as contiguous 1-D tensors (kernels read element b at
+    ptr + b); a no-op for the usual contiguous int32 vectors."""
+    return tuple(t if t.dim() == 1 and t.stride(0) == 1 else t.reshape(-1).contiguous()
+                 for t in tensors)
+
+
+def check_kv_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(Hkv, block_size, head_dim) of a [num_blocks, Hkv, bs, 2d] cache view
+    whose last dimension is contiguous."""
+    assert kv_cache.dim() == 4, "kv_cache must be [num_blocks, Hkv, block_size, 2*d]"
+    assert kv_cache.stride(-1) == 1, "kv_cache's last dimension must be contiguous"
+    _, hkv, bs, width = kv_cache.shape
+    assert width % 2 == 0
+    return hkv, bs, width // 2

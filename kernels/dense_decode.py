@@ -1,0 +1,114 @@
+"""Dense paged decode attention (the baseline RocketKV is compared against).
+
+Each query head of decode row b attends to every slot [0, seq_lens[b]) of
+its sequence on the paged cache. Same flash-decoding structure as
+``sparse_decode`` (and the same tile step and merge kernel): grid
+(B*Hkv, S), split s covers a fixed run of BLOCK_N-token tiles of the
+context, K/V of a tile loaded once and shared by the G queries of the KV
+head (two tensor-core dots per tile), then ``_merge_splits_kernel`` when
+S > 1. The splits are sized from the Python int ``max_seq_len`` (an engine
+constant, e.g. max_model_len), so the launch is CUDA-graph capturable.
+
+vLLM's own ``triton_decode_attention`` expects separate K and V buffers, not
+this [num_blocks, Hkv, bs, 2d] K|V layout, hence this kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rocketkv_vllm.kernels._utils import cdiv, dot_upcast, group_pad, head_pad, row_vectors
+from rocketkv_vllm.kernels.sparse_decode import (
+    _attend_tile,
+    _load_q,
+    _prepare,
+    _store_result,
+    merge_splits,
+    plan_splits,
+)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dense_decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, out_ptr,
+    num_kv_heads, num_splits, tiles_per_split, scale_log2,
+    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks,
+    stride_ob, stride_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    seq = tl.load(seq_ptr + b).to(tl.int32)
+    q = _load_q(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, D_PAD)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    row_bt = bt_ptr + b.to(tl.int64) * stride_bt
+    lo = split * (tiles_per_split * BLOCK_N)
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq)
+    for n0 in range(lo, hi, BLOCK_N):
+        slot = n0 + tl.arange(0, BLOCK_N)
+        ok = slot < hi
+        blk = tl.load(row_bt + slot // BS, mask=ok, other=0).to(tl.int64)
+        addr = kv_ptr + blk * stride_kb + h * stride_kh + (slot % BS) * stride_ks
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(addr[:, None] + D + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
+    _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
+                  stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
+
+
+def dense_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Decode attention of query [B, Hq, d] over slots [0, seq_lens[b]) of
+    each row (max_seq_len: a Python int >= every seq_lens[b])."""
+    query, out, hkv, bs, d, group = _prepare(query, kv_cache, out)
+    batch = query.shape[0]
+    assert block_table.stride(-1) == 1
+    if batch == 0:
+        return out
+    (seq_lens,) = row_vectors(seq_lens)
+    splits, tiles_per_split = plan_splits(cdiv(max_seq_len, block_n), batch * hkv,
+                                          query.device, num_splits)
+    direct = splits == 1
+    if direct:
+        o_part = lse_part = out  # unused
+    else:
+        o_part = torch.empty(batch * hkv * splits * group, d, device=query.device,
+                             dtype=torch.float32)
+        lse_part = torch.empty(batch * hkv * splits * group, device=query.device,
+                               dtype=torch.float32)
+    _dense_decode_kernel[(batch * hkv, splits)](
+        query, kv_cache, block_table, seq_lens, o_part, lse_part, out,
+        hkv, splits, tiles_per_split, float(scale) * _LOG2E,
+        query.stride(0), query.stride(1), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        out.stride(0), out.stride(1),
+        G=group, G_PAD=group_pad(group), D=d, D_PAD=head_pad(d), BS=bs,
+        BLOCK_N=block_n,
+        UPCAST=dot_upcast(kv_cache.dtype), DIRECT=direct,
+        num_warps=4, num_stages=2,
+    )
+    if not direct:
+        merge_splits(o_part, lse_part, out, splits, group, d)
+    return out

@@ -1,0 +1,365 @@
+"""Stage 2 scoring (HSA): page probabilities and top-n page choice, batched.
+
+Per decode row b and KV head h with query heads q_1..q_G (G = Hq / Hkv):
+
+* channels: the top-r (r = topr[b]) of a = sum_g |q_g|, found in the kernel
+  by ranking (rank_i = #{j : a_j > a_i or (a_j == a_i and j < i)},
+  chosen = rank < r: exact for any per-row r without a host-side topk);
+  sign_i = sign(sum_g q_g,i);
+* bound(page)_i = max_i if sign_i > 0 else min_i over the chosen channels,
+  read from the KT page; s_g(page) = q_g . bound;
+* SparQ temperature tau_g = sqrt(d * sum_chosen |q_g| / sum_all |q_g|);
+  (16-bit KT: q split in three 16-bit parts, three tensor-core dots with
+  exact products, ~fp32 accuracy; fp32 KT: an IEEE fp32 dot);
+  softmax over the row's view pages of s_g / tau_g per query head, averaged
+  over the group -> probs [B, Hkv, max_pages] fp32; entries past the row's
+  page count are -1 (so a top-n over the padded row takes valid pages first);
+  with ``force_current_page`` the page of the newest token gets 2.0.
+
+The view's pages (see ``paged``): j < npc = ceil(num_compact / ps) start at
+j * ps, the others at tail_start + (j - npc) * ps; P = npc +
+ceil((seq_len - tail_start) / ps).
+
+Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
+1. ``_page_logits_kernel`` grid (B*Hkv, S): split s scores pages
+   [s*CHUNK, (s+1)*CHUNK) (CHUNK <= 512 from max_pages, B, Hkv and the SM
+   count: a Python-int choice) in tiles of BLOCK_P with one [G_pad, d] x [d,
+   BLOCK_P] fp32 dot, stores the tempered logits (log2 units) to a scratch
+   [B, Hkv, G, max_pages] and its partial max / sum-of-exp per query head.
+2. ``_page_probs_kernel`` grid (B*Hkv, S): merges the S partials, turns its
+   chunk of logits into group-averaged probabilities (writes every one of
+   the max_pages entries).
+3. selection, n_use[b] = min(max(topk[b] // ps, 1), P[b], n_sel) pages per
+   row: ``_select_pages_kernel`` grid (B*Hkv) -- a bisection on the fp32
+   bit patterns finds the n_use-th largest probability, then a cumsum packs
+   the winners (ties: lowest page index) -- or ``torch.topk(sorted=True)``
+   (its first n_use entries) for rows longer than the kernel's limit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rocketkv_vllm.kernels._utils import (
+    cdiv,
+    dot_upcast,
+    group_pad,
+    head_pad,
+    mma,
+    next_pow2,
+    num_sms,
+    row_vectors,
+)
+
+_LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)
+
+
+@triton.jit
+def _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS: tl.constexpr):
+    """(num_compact, tail_start, seq_len, compact pages, total pages) of row b."""
+    nc = tl.load(nc_ptr + b).to(tl.int32)
+    ts = tl.load(ts_ptr + b).to(tl.int32)
+    seq = tl.load(seq_ptr + b).to(tl.int32)
+    npc = (nc + PS - 1) // PS
+    npt = (tl.maximum(seq - ts, 0) + PS - 1) // PS
+    num_pages = tl.where(seq > 0, npc + npt, 0)
+    return nc, ts, seq, npc, num_pages
+
+
+@triton.jit
+def _page_logits_kernel(
+    q_ptr, kt_ptr, bt_ptr, nc_ptr, ts_ptr, seq_ptr, topr_ptr,
+    logit_ptr, pm_ptr, pl_ptr,
+    num_kv_heads, max_pages, num_splits,
+    stride_qb, stride_qh, stride_bt, stride_tb, stride_th, stride_tp,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BS: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
+    RANK_CHUNK: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
+    r = tl.load(topr_ptr + b).to(tl.int32)
+
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
+    q = tl.load(q_row + g[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    absq = tl.abs(q)
+    # a = sum_g |q_g| as G sequential element-wise adds, recomputed the same
+    # way for each column chunk below, so equal channels compare equal.
+    a = tl.zeros([D_PAD], tl.float32)
+    for gi in tl.static_range(G):
+        a += tl.abs(tl.load(q_row + gi * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32))
+    # rank of channel i among the group's |q| sums (ties: lower index first),
+    # RANK_CHUNK columns at a time to bound the [D_PAD, chunk] temporaries
+    rank = tl.zeros([D_PAD], tl.int32)
+    for j0 in tl.static_range(0, D_PAD, RANK_CHUNK):
+        dj = j0 + tl.arange(0, RANK_CHUNK)
+        a_j = tl.zeros([RANK_CHUNK], tl.float32)
+        for gi in tl.static_range(G):
+            a_j += tl.abs(tl.load(q_row + gi * stride_qh + dj, mask=dj < D,
+                                  other=0.0).to(tl.float32))
+        beats = (a_j[None, :] > a[:, None]) | (
+            (a_j[None, :] == a[:, None]) & (dj[None, :] < d[:, None]))
+        beats = beats & (dj < D)[None, :]
+        rank += tl.sum(beats.to(tl.int32), 1)
+    chosen = (rank < r) & d_ok
+    positive = tl.sum(q, 0) > 0
+    take_max = chosen & positive
+    take_min = chosen & (~positive)
+    sel_abs = tl.sum(tl.where(chosen[None, :], absq, 0.0), 1)
+    all_abs = tl.maximum(tl.sum(absq, 1), 1e-30)
+    tau = tl.sqrt(D * sel_abs / all_abs)
+    inv_tau = _LOG2E_C / tl.maximum(tau, 1e-30)  # logits in log2 units
+
+    if SPLIT:
+        # q = q1 + q2 + q3 in the KT's 16-bit type (24+ mantissa bits in
+        # all): with exact 16-bit KT operands the scores keep fp32 accuracy
+        # while using tensor cores (an fp32 FMA dot needs ~255 registers).
+        q1 = q.to(kt_ptr.dtype.element_ty)
+        rem = q - q1.to(tl.float32)
+        q2 = rem.to(kt_ptr.dtype.element_ty)
+        q3 = (rem - q2.to(tl.float32)).to(kt_ptr.dtype.element_ty)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    lo = split * CHUNK
+    # (a row with more pages than max_pages is a caller error: its pages
+    # past max_pages are ignored rather than written out of bounds)
+    hi = tl.minimum(tl.minimum(lo + CHUNK, num_pages), max_pages)
+    row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
+    for p0 in range(lo, hi, BLOCK_P):
+        j = p0 + tl.arange(0, BLOCK_P)
+        ok = j < hi
+        start = tl.where(j < npc, j * PS, ts + (j - npc) * PS)
+        blk = tl.load(bt_ptr + b * stride_bt + start // BS, mask=ok, other=0).to(tl.int64)
+        base = kt_ptr + blk * stride_tb + h * stride_th + ((start % BS) // PS) * stride_tp
+        # Whole min|max rows (vectorised loads; a 32-byte sector holds 16
+        # channels, so skipping unchosen halves would save little traffic),
+        # then the chosen half of each chosen channel.
+        kmask = ok[:, None] & d_ok[None, :]
+        kmin = tl.load(base[:, None] + d[None, :], mask=kmask, other=0.0)
+        kmax = tl.load(base[:, None] + D + d[None, :], mask=kmask, other=0.0)
+        bound = tl.where(take_max[None, :], kmax, tl.where(take_min[None, :], kmin, 0.0))
+        if SPLIT:  # 16-bit KT values are exact operands: 3 tensor-core dots
+            bt = tl.trans(bound.to(kt_ptr.dtype.element_ty))
+            s = mma(q1, bt, UPCAST) + mma(q2, bt, UPCAST) + mma(q3, bt, UPCAST)
+        else:  # fp32 KT: exact fp32 products (FMA)
+            s = tl.dot(q, tl.trans(bound.to(tl.float32)), input_precision="ieee")
+        s = s * inv_tau[:, None]
+        valid = g_ok[:, None] & ok[None, :]
+        s = tl.where(valid, s, float("-inf"))
+        tl.store(row_logits + g[:, None] * max_pages + j[None, :], s, mask=valid)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    part = (bh * num_splits + split) * G_PAD + g
+    tl.store(pm_ptr + part, m_i)
+    tl.store(pl_ptr + part, l_i)
+
+
+@triton.jit
+def _page_probs_kernel(
+    logit_ptr, pm_ptr, pl_ptr, probs_ptr, nc_ptr, ts_ptr, seq_ptr,
+    num_kv_heads, max_pages, num_splits,
+    G: tl.constexpr, G_PAD: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr, S_PAD: tl.constexpr, FORCE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // num_kv_heads
+    nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    sp = tl.arange(0, S_PAD)
+    active = sp < (num_pages + CHUNK - 1) // CHUNK
+    part = (bh * num_splits + sp)[:, None] * G_PAD + g[None, :]
+    pmask = active[:, None] & g_ok[None, :]
+    pm = tl.load(pm_ptr + part, mask=pmask, other=float("-inf"))
+    pl = tl.load(pl_ptr + part, mask=pmask, other=0.0)
+    m = tl.max(pm, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(pl * tl.exp2(pm - m_safe[None, :]), 0)
+    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0) / G
+    cur = npc + (seq - 1 - ts) // PS  # page of the newest token (in the tail)
+
+    row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, max_pages)
+    for p0 in range(lo, hi, BLOCK_P):
+        j = p0 + tl.arange(0, BLOCK_P)
+        valid = j < num_pages
+        lg = tl.load(row_logits + g[:, None] * max_pages + j[None, :],
+                     mask=g_ok[:, None] & valid[None, :], other=float("-inf"))
+        pr = tl.sum(tl.exp2(lg - m_safe[:, None]) * inv_l[:, None], 0)
+        if FORCE:
+            pr = tl.where((j == cur) & (seq - 1 >= ts), 2.0, pr)
+        pr = tl.where(valid, pr, -1.0)
+        tl.store(probs_ptr + bh.to(tl.int64) * max_pages + j, pr, mask=j < hi)
+
+
+def hsa_page_probs(
+    query: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topr: torch.Tensor,
+    page_size: int,
+    max_pages: int,
+    force_current_page: bool = False,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Group-averaged page probabilities [B, Hkv, max_pages] fp32 (-1 past
+    each row's page count, 2.0 on the forced current page)."""
+    batch, hq, d = query.shape
+    _, hkv, pages_per_block, width = kt_cache.shape
+    assert width == 2 * d and hq % hkv == 0 and kt_cache.stride(-1) == 1
+    assert block_table.stride(-1) == 1
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    num_compact, tail_start, seq_lens, topr = row_vectors(num_compact, tail_start,
+                                                          seq_lens, topr)
+    bs = pages_per_block * page_size
+    group = hq // hkv
+    max_pages = int(max_pages)
+    block_p = 64 if d <= 64 else 32
+    if chunk is None:
+        # about 4 programs per SM, chunks of 1..8 tiles of BLOCK_P pages
+        splits_wanted = cdiv(4 * num_sms(query.device), max(1, batch * hkv))
+        chunk = min(512, cdiv(max_pages, splits_wanted))
+    chunk = max(block_p, cdiv(chunk, block_p) * block_p)
+    num_splits = cdiv(max_pages, chunk)
+    g_pad = group_pad(group)
+    dev = query.device
+    logits = torch.empty(batch, hkv, group, max_pages, device=dev, dtype=torch.float32)
+    part_m = torch.empty(batch * hkv, num_splits, g_pad, device=dev, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    probs = torch.empty(batch, hkv, max_pages, device=dev, dtype=torch.float32)
+    if batch == 0:
+        return probs
+    grid = (batch * hkv, num_splits)
+    _page_logits_kernel[grid](
+        query, kt_cache, block_table, num_compact, tail_start, seq_lens, topr,
+        logits, part_m, part_l,
+        hkv, max_pages, num_splits,
+        query.stride(0), query.stride(1), block_table.stride(0),
+        kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
+        G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
+        BLOCK_P=block_p, CHUNK=chunk, RANK_CHUNK=min(16, head_pad(d)),
+        SPLIT=kt_cache.dtype in (torch.bfloat16, torch.float16),
+        UPCAST=dot_upcast(kt_cache.dtype), num_warps=4,
+    )
+    _page_probs_kernel[grid](
+        logits, part_m, part_l, probs, num_compact, tail_start, seq_lens,
+        hkv, max_pages, num_splits,
+        G=group, G_PAD=g_pad, PS=page_size, BLOCK_P=block_p, CHUNK=chunk,
+        S_PAD=next_pow2(num_splits), FORCE=bool(force_current_page), num_warps=4,
+    )
+    return probs
+
+
+@triton.jit
+def _select_pages_kernel(
+    probs_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
+    num_kv_heads, max_pages, num_sel,
+    PS: tl.constexpr, P_PAD: tl.constexpr,
+):
+    """Row (b, h): write the indices of its n_use highest probabilities
+    (ascending page order) to sel[b, h, :n_use]; the rest is left as is.
+
+    Threshold search instead of a sort: probabilities are >= 0 floats, so
+    their int32 bit patterns order like the values; 31 bisection steps find
+    the largest pattern T with count(bits >= T) >= n_use, then everything
+    above T and the lowest-index ties at T are taken (exactly n_use)."""
+    bh = tl.program_id(0)
+    b = bh // num_kv_heads
+    nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
+    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1)
+    n_use = tl.minimum(tl.minimum(n_want, num_pages), num_sel)
+    j = tl.arange(0, P_PAD)
+    # pages past the row's view hold -1.0 (a negative bit pattern), as does
+    # the padding past max_pages: neither can reach a threshold >= 0
+    x = tl.load(probs_ptr + bh.to(tl.int64) * max_pages + j,
+                mask=j < tl.minimum(num_pages, max_pages), other=-1.0)
+    bits = x.to(tl.int32, bitcast=True)
+    thr = n_use * 0  # int32 scalar
+    for k in tl.static_range(31):
+        cand = thr | (1 << (30 - k))
+        cnt = tl.sum((bits >= cand).to(tl.int32), 0)
+        thr = tl.where(cnt >= n_use, cand, thr)
+    greater = bits > thr
+    equal = bits == thr
+    room = n_use - tl.sum(greater.to(tl.int32), 0)
+    eq_rank = tl.cumsum(equal.to(tl.int32), 0) - 1
+    take = greater | (equal & (eq_rank < room))
+    pos = tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(sel_ptr + bh.to(tl.int64) * num_sel + pos, j, mask=take)
+
+
+# Rows longer than this go through torch.topk (the kernel keeps a row in
+# registers: 32 values per thread at 16 warps; 32768 would spill on sm_90).
+MAX_TRITON_SELECT_PAGES = 16384
+
+
+def select_pages(
+    probs: torch.Tensor,
+    max_select: int,
+    num_compact: torch.Tensor | None = None,
+    tail_start: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    topk: torch.Tensor | None = None,
+    page_size: int | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Selected page indices [B, Hkv, n_sel] (n_sel = min(max_select,
+    max_pages)); row b's pages are its first n_use[b] = min(max(topk[b] //
+    page_size, 1), P[b], n_sel) entries, the rest is unspecified.
+
+    impl "torch": torch.topk(sorted=True) (best first); "triton": the
+    threshold-select kernel (needs the per-row tensors; pages in ascending
+    order); "auto": triton when the row tensors are given and max_pages <=
+    MAX_TRITON_SELECT_PAGES.
+    """
+    max_pages = probs.shape[-1]
+    k = max(1, min(int(max_select), max_pages))
+    have_rows = topk is not None
+    if impl == "auto":
+        impl = "triton" if have_rows and max_pages <= MAX_TRITON_SELECT_PAGES else "torch"
+    if impl == "torch":
+        return torch.topk(probs, k, dim=-1, sorted=True).indices
+    assert impl == "triton" and have_rows and page_size is not None
+    assert max_pages <= MAX_TRITON_SELECT_PAGES and probs.is_contiguous()
+    batch, hkv, _ = probs.shape
+    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start,
+                                                          seq_lens, topk)
+    sel = torch.empty(batch, hkv, k, device=probs.device, dtype=torch.int32)
+    if batch == 0:
+        return sel
+    p_pad = max(16, next_pow2(max_pages))
+    _select_pages_kernel[(batch * hkv,)](
+        probs, sel, num_compact, tail_start, seq_lens, topk, hkv, max_pages, k,
+        PS=page_size, P_PAD=p_pad, num_warps=4 if p_pad <= 2048 else (8 if p_pad <= 8192 else 16),
+    )
+    return sel
+
+
+def hsa_select(
+    query, kt_cache, block_table, num_compact, tail_start, seq_lens, topr, topk,
+    page_size, max_pages, max_select, force_current_page=False, impl="auto",
+):
+    """Scoring then selection: [B, Hkv, n_sel] page indices of each row's view."""
+    probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
+                           seq_lens, topr, page_size, max_pages, force_current_page)
+    return select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
+                        page_size, impl)

@@ -1,0 +1,203 @@
+"""Stage 1 scoring: observation-window attention mass of every prompt key.
+
+For ONE request: the w window queries ``q_win [w, Hq, d]`` attend (causal,
+fp32 softmax per query head) to the request's N prompt keys in the paged
+cache; the probabilities are summed over the window queries and over the GQA
+group of each KV head, and the window columns are dropped:
+``scores [Hkv, N - w]`` fp32 (``algorithm.snapkv.window_attention_scores``).
+
+Two passes, both over key tiles gathered through ``block_row``:
+
+1. ``_window_stats_kernel`` -- grid (Hkv, row blocks, key chunks): for its
+   BLOCK_M score rows (row = window query i * G + group member g) the online
+   max / sum-of-exp over its chunk of keys, written as partials. The host
+   merges the partials (a few tiny torch ops) into one log-sum-exp per row.
+2. ``_window_colsum_kernel`` -- grid (Hkv, key tiles of [0, N - w)): loads
+   its key tile once, loops over all row blocks, and sums
+   exp(logit - lse) down each column. Keys before N - w precede every window
+   query, so pass 2 needs no causal mask and each column is owned by one
+   program (deterministic, no atomics).
+
+The max-pool and the top-k stay in torch (``pool_scores``): they act on
+[Hkv, N] fp32, a negligible amount of data next to the keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rocketkv_vllm.kernels._utils import cdiv, check_kv_cache, dot_upcast, head_pad, mma
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _window_stats_kernel(
+    q_ptr, kv_ptr, bt_ptr, m_ptr, l_ptr,
+    n_tokens, num_rows, num_rows_pad, num_chunks, scale_log2,
+    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks,
+    W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+):
+    h = tl.program_id(0)
+    rb = tl.program_id(1)
+    c = tl.program_id(2)
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    wi = rows // G
+    gi = rows % G
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q = tl.load(
+        q_ptr + wi[:, None] * stride_qw + (h * G + gi)[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    q_pos = n_tokens - W + wi
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, n_tokens)
+    for n0 in range(lo, hi, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)
+        k_ok = keys < hi
+        blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
+        k = tl.load(
+            kv_ptr + blk[:, None] * stride_kb + h * stride_kh
+            + (keys % BS)[:, None] * stride_ks + d[None, :],
+            mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * scale_log2
+        valid = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    out = (h * num_chunks + c) * num_rows_pad + rows
+    tl.store(m_ptr + out, m_i, mask=row_ok)
+    tl.store(l_ptr + out, l_i, mask=row_ok)
+
+
+@triton.jit
+def _window_colsum_kernel(
+    q_ptr, kv_ptr, bt_ptr, lse_ptr, out_ptr,
+    num_cols, num_rows, num_rows_pad, scale_log2,
+    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    h = tl.program_id(0)
+    keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = keys < num_cols
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
+    k = tl.load(
+        kv_ptr + blk[:, None] * stride_kb + h * stride_kh
+        + (keys % BS)[:, None] * stride_ks + d[None, :],
+        mask=k_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for r0 in range(0, num_rows, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_rows
+        wi = rows // G
+        gi = rows % G
+        q = tl.load(
+            q_ptr + wi[:, None] * stride_qw + (h * G + gi)[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        lse = tl.load(lse_ptr + h * num_rows_pad + rows, mask=row_ok, other=0.0)
+        s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * scale_log2
+        p = tl.exp2(s - lse[:, None])
+        p = tl.where(row_ok[:, None] & k_ok[None, :], p, 0.0)
+        acc += tl.sum(p, 0)
+    tl.store(out_ptr + h * stride_oh + keys, acc, mask=k_ok)
+
+
+def window_scores(
+    q_win: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    num_prompt_tokens: int,
+    scale: float,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Window attention mass of the prompt keys: [Hkv, N - w] fp32.
+
+    q_win: [w, Hq, d] (queries of prompt positions N-w .. N-1, RoPE applied),
+    kv_cache: [num_blocks, Hkv, bs, 2d] view, block_row: the request's block
+    table row (int32/int64), N = num_prompt_tokens >= w.
+    """
+    hkv, bs, d = check_kv_cache(kv_cache)
+    w, hq, dq = q_win.shape
+    assert dq == d and hq % hkv == 0
+    n = int(num_prompt_tokens)
+    assert n >= w
+    group = hq // hkv
+    if q_win.dtype != kv_cache.dtype:
+        q_win = q_win.float()  # the kernel casts keys to the query dtype
+    if q_win.stride(-1) != 1:
+        q_win = q_win.contiguous()
+    block_row = block_row.contiguous()
+    num_rows = w * group
+    block_m = 32 if d > 64 else 64
+    block_n = 64
+    d_pad = head_pad(d)
+    rows_pad = cdiv(num_rows, block_m) * block_m
+    if chunk is None:
+        chunk = 1024
+    chunk = max(block_n, cdiv(chunk, block_n) * block_n)
+    num_chunks = cdiv(n, chunk)
+    scale_log2 = float(scale) * _LOG2E
+    upcast = dot_upcast(q_win.dtype)
+    dev = kv_cache.device
+
+    part_m = torch.empty(hkv, num_chunks, rows_pad, device=dev, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    # Rows past num_rows are never written and never read.
+    _window_stats_kernel[(hkv, rows_pad // block_m, num_chunks)](
+        q_win, kv_cache, block_row, part_m, part_l,
+        n, num_rows, rows_pad, num_chunks, scale_log2,
+        q_win.stride(0), q_win.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        W=w, G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        CHUNK=chunk, UPCAST=upcast, num_warps=4,
+    )
+    m = part_m.amax(dim=1)  # every row sees key 0, so m is finite
+    lse = m + torch.log2((part_l * torch.exp2(part_m - m[:, None])).sum(dim=1))
+
+    num_cols = n - w
+    out = torch.empty(hkv, num_cols, device=dev, dtype=torch.float32)
+    if num_cols > 0:
+        _window_colsum_kernel[(hkv, cdiv(num_cols, block_n))](
+            q_win, kv_cache, block_row, lse.contiguous(), out,
+            num_cols, num_rows, rows_pad, scale_log2,
+            q_win.stride(0), q_win.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), out.stride(0),
+            G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+            UPCAST=upcast, num_warps=4,
+        )
+    return out
+
+
+def pooled_window_scores(
+    q_win: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    num_prompt_tokens: int,
+    scale: float,
+    kernel_size: int,
+) -> torch.Tensor:
+    """window_scores followed by the stride-1 same-length 1-D max-pool."""
+    scores = window_scores(q_win, kv_cache, block_row, num_prompt_tokens, scale)
+    return torch.nn.functional.max_pool1d(
+        scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
+    )[:, 0, :]
+
+
+__all__ = ["window_scores", "pooled_window_scores"]

@@ -1,0 +1,188 @@
+"""RocketKV on the paged cache with the Triton kernels (``rocketkv_vllm.kernels``).
+
+Same layout and semantics as ``rocketkv_vllm.paged`` (the oracle), but
+batched for decode and free of host synchronisation there:
+
+* ``hsa_decode_batch`` -- one decode token per row, all rows at once. Launch
+  sequence (everything on the current stream, grids from Python ints only):
+    1. ``kt_update``            Triton, grid (B, Hkv)        [skipped if update_kt=False]
+    2. ``_page_logits_kernel``  Triton, grid (B*Hkv, S1)     (+ 3 torch.empty scratch allocs)
+    3. ``_page_probs_kernel``   Triton, grid (B*Hkv, S1)
+    4. ``_select_pages_kernel`` Triton, grid (B*Hkv)         (+ 1 alloc)
+       [torch.topk(probs, min(max_select, max_pages)) if max_pages > 16384]
+    5. ``_sparse_decode_kernel`` Triton, grid (B*Hkv, S2)    (+ 2 scratch allocs if S2 > 1)
+    6. ``_merge_splits_kernel`` Triton, grid (B*Hq)          [only if S2 > 1]
+  S1, S2: split counts from B, Hkv, max_pages / max_select and the SM count.
+  No .item(), no data-dependent shapes: CUDA-graph capturable for fixed
+  (B, max_pages, max_select).
+* ``snapkv_compress`` -- Stage 1 for one request: ``window_scores`` (2 Triton
+  passes + a few torch ops merging partial softmax statistics), torch
+  max-pool / topk / sort / cat, ``compact_kept_tokens`` (1 Triton launch),
+  ``write_kt_pages`` for [0, num_compact) and [tail_start, N) (2 launches).
+  It happens not to synchronise with the host either (a sync would be
+  allowed: it runs once per request, at the end of its prefill).
+* ``hsa_decode_batch_reference`` -- the batched oracle: ``paged.hsa_decode``
+  row by row.
+
+No vLLM import here: this module, ``kernels`` and their tests run with only
+torch + triton (+ pyyaml for ``config``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rocketkv_vllm import paged
+from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
+from rocketkv_vllm.kernels.dense_decode import dense_decode
+from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages
+from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt
+from rocketkv_vllm.kernels.sparse_decode import sparse_decode
+from rocketkv_vllm.kernels.window_scores import window_scores
+
+__all__ = [
+    "compact_kept_tokens",
+    "dense_decode",
+    "hsa_decode_batch",
+    "hsa_decode_batch_reference",
+    "hsa_page_probs",
+    "kt_update",
+    "select_pages",
+    "snapkv_compress",
+    "snapkv_keep_positions",
+    "sparse_decode",
+    "window_scores",
+    "write_kt_pages",
+    "write_kv_and_kt",
+]
+
+
+def snapkv_keep_positions(
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    q_window: torch.Tensor,
+    num_prompt_tokens: int,
+    prompt_budget: int,
+    kernel_size: int,
+    protect_from: int,
+    scale: float,
+) -> torch.Tensor:
+    """``algorithm.snapkv_keep_positions`` on the paged prompt keys:
+    kept positions [Hkv, prompt_budget] int64, each row sorted."""
+    n = int(num_prompt_tokens)
+    w = q_window.shape[0]
+    assert 0 <= protect_from <= n - w and n > prompt_budget
+    num_select = prompt_budget - (n - protect_from)
+    assert num_select >= 0
+    scores = window_scores(q_window, kv_cache, block_row, n, scale)
+    pooled = torch.nn.functional.max_pool1d(
+        scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
+    )[:, 0, :]
+    chosen = pooled[:, :protect_from].topk(num_select, dim=-1).indices
+    chosen = chosen.sort(dim=-1).values
+    protected = torch.arange(protect_from, n, device=chosen.device)
+    protected = protected.expand(scores.shape[0], -1)
+    return torch.cat([chosen, protected], dim=-1)
+
+
+def snapkv_compress(
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    q_window: torch.Tensor,
+    num_prompt_tokens: int,
+    prompt_budget: int,
+    tail_start: int,
+    kernel_size: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Stage 1 for one request; same signature and effect as
+    ``paged.snapkv_compress`` (kept positions [Hkv, prompt_budget] returned).
+    Ties among pooled scores may be broken differently than torch's CPU
+    topk, so the kept set can differ on plateaus (equal scores)."""
+    n = int(num_prompt_tokens)
+    window = q_window.shape[0]
+    kept = snapkv_keep_positions(
+        kv_cache, block_row, q_window, n, prompt_budget, kernel_size,
+        min(n - window, tail_start), scale,
+    )
+    num_compact = prompt_budget - (n - tail_start)
+    compact_kept_tokens(kv_cache, block_row, kept[:, :num_compact])
+    write_kt_pages(kv_cache, kt_cache, block_row, 0, num_compact, page_size)
+    write_kt_pages(kv_cache, kt_cache, block_row, tail_start, n, page_size)
+    return kept
+
+
+def hsa_decode_batch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: torch.Tensor,
+    topr: torch.Tensor,
+    page_size: int,
+    scale: float,
+    max_pages: int,
+    max_select: int,
+    force_current_page: bool = False,
+    out: torch.Tensor | None = None,
+    update_kt: bool = True,
+    select_impl: str = "auto",
+) -> torch.Tensor:
+    """Stage 2 for one decode token per row (its K/V already in the cache at
+    slot seq_lens[b] - 1): KT update, page scoring, top-n pages, sparse
+    attention. Returns out [B, Hq, d].
+
+    query [B, Hq, d] (last dim contiguous; cast to the cache dtype);
+    block_table [B, max_blocks] int32 (last dim contiguous); num_compact,
+    tail_start, seq_lens, topk, topr: [B] integer tensors on the device.
+    max_pages (Python int) >= every row's view page count
+    ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps); max_select
+    (Python int) >= every row's max(topk // ps, 1). Rows with seq_lens <= 0
+    are padding: nothing is written for them and their output is 0.
+    select_impl: "auto" (Triton select kernel up to 16384 max_pages, else
+    torch.topk), "triton" or "torch".
+    """
+    if update_kt:
+        kt_update(kv_cache, kt_cache, block_table, seq_lens, page_size)
+    probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
+                           seq_lens, topr, page_size, max_pages, force_current_page)
+    sel = select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
+                       page_size, select_impl)
+    return sparse_decode(query, kv_cache, block_table, sel, num_compact, tail_start,
+                         seq_lens, topk, page_size, scale, out=out)
+
+
+def hsa_decode_batch_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: torch.Tensor,
+    topr: torch.Tensor,
+    page_size: int,
+    scale: float,
+    max_pages: int | None = None,
+    max_select: int | None = None,
+    force_current_page: bool = False,
+) -> torch.Tensor:
+    """``paged.hsa_decode`` row by row (host syncs; the oracle).
+    max_pages / max_select are accepted for signature parity and ignored."""
+    out = torch.zeros_like(query)
+    for b in range(query.shape[0]):
+        seq = int(seq_lens[b])
+        if seq <= 0:
+            continue
+        out[b] = paged.hsa_decode(
+            query[b], kv_cache, kt_cache, block_table[b], int(num_compact[b]),
+            int(tail_start[b]), seq, int(topk[b]), int(topr[b]), page_size,
+            scale, force_current_page,
+        )
+    return out

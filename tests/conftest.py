@@ -1,0 +1,65 @@
+"""Shared fixtures: the embedded SmolLM2 model and vLLM engines on CPU."""
+
+import gc
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small, fixed engine settings so tests fit a 2-core CI machine.
+ENGINE_KW = dict(
+    max_model_len=8192,
+    enforce_eager=True,
+    dtype="float32",
+    kv_cache_memory_bytes=1 << 30,
+    seed=0,
+)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from rocketkv_vllm.model import prepare_default_model
+
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def make_llm(model_path: str, backend: str, rocketkv: dict | None = None, **kw):
+    from vllm import LLM
+
+    args = dict(ENGINE_KW)
+    args.update(kw)
+    if rocketkv is not None:
+        args["additional_config"] = {"rocketkv": rocketkv}
+    return LLM(model=model_path, attention_backend=backend, **args)
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(llm, prompts, max_tokens=24):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
+
+
+def pytest_configure(config):
+    # Triton decides interpreter mode when a kernel module is imported: set it
+    # before any test imports one (CPU machines have no Triton backend).
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,108 @@
+"""ROCKETKV inside the real vLLM engine (CPU build) on the embedded SmolLM2.
+
+Engines start in spawned processes here (vLLM's CPU platform always spawns),
+so these tests also cover loading the backend in a spawned process.
+"""
+
+import pytest
+
+from conftest import greedy, make_llm, shutdown
+from rocketkv_vllm.needle import build_needle_prompt, is_correct
+
+pytestmark = pytest.mark.engine
+
+
+def _chat(tokenizer, text):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_bad_config_fails_at_startup_naming_the_field(model_path):
+    with pytest.raises(Exception) as err:
+        make_llm(model_path, "ROCKETKV", {"kernel_size": 64})
+    assert "rocketkv.kernel_size" in str(err.value)
+    with pytest.raises(Exception) as err:
+        make_llm(model_path, "ROCKETKV", {"prompt_budget": 20})
+    assert "rocketkv.prompt_budget" in str(err.value)
+
+
+def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer):
+    """Budget >= prompt: token-for-token equal to vLLM's own CPU backend."""
+    prompts = [
+        _chat(tokenizer, "What is the capital of France? Answer in one sentence."),
+        _chat(tokenizer, "Write a short poem about the sea."),
+        build_needle_prompt(tokenizer, 1500, 0.5, seed=1).prompt,
+        build_needle_prompt(tokenizer, 700, 0.2, seed=2).prompt,
+    ]
+    ref = make_llm(model_path, "CPU_ATTN")
+    ref_ids, _ = greedy(ref, prompts, max_tokens=32)
+    shutdown(ref)
+    ours = make_llm(model_path, "ROCKETKV", {"prompt_budget": 4096})
+    our_ids, _ = greedy(ours, prompts, max_tokens=32)
+    shutdown(ours)
+    for a, b in zip(our_ids, ref_ids):
+        assert list(a) == list(b)
+
+
+NEEDLE_CASES = [(n, d) for n in (2000, 4000, 7000) for d in (0.1, 0.5, 0.9)]
+
+
+def test_needle_retrieval_with_compression(model_path, tokenizer):
+    """At token budget 256 the needle is found about as often as with dense."""
+    cases = [build_needle_prompt(tokenizer, n, d, seed=i)
+             for i, (n, d) in enumerate(NEEDLE_CASES)]
+    prompts = [c.prompt for c in cases]
+    dense = make_llm(model_path, "CPU_ATTN")
+    _, dense_text = greedy(dense, prompts, max_tokens=16)
+    shutdown(dense)
+    ours = make_llm(model_path, "ROCKETKV", {"token_budget": 256})
+    _, our_text = greedy(ours, prompts, max_tokens=16)
+    shutdown(ours)
+    dense_ok = [is_correct(t, c) for t, c in zip(dense_text, cases)]
+    our_ok = [is_correct(t, c) for t, c in zip(our_text, cases)]
+    report = [(c.num_tokens, c.depth, a, b) for c, a, b in zip(cases, dense_ok, our_ok)]
+    print("needle (tokens, depth, dense, rocketkv):", report)
+    assert sum(our_ok) >= sum(dense_ok) - 1, report
+
+
+def _straddling_case(tokenizer, target, chunk, seed):
+    """A needle prompt whose last chunk holds fewer tokens than the window."""
+    for t in range(target, target + 400, 7):
+        case = build_needle_prompt(tokenizer, t, 0.5, seed=seed)
+        if 0 < case.num_tokens % chunk < 20:
+            return case
+    raise AssertionError("no prompt length with a split window found")
+
+
+def test_chunked_prefill_gives_the_same_output(model_path, tokenizer):
+    """Small chunks split the observation window across steps; same tokens."""
+    chunk = 256
+    cases = [_straddling_case(tokenizer, n, chunk, seed=n) for n in (1300, 2100)]
+    prompts = [c.prompt for c in cases]
+    cfg = {"prompt_budget": 256}
+    whole = make_llm(model_path, "ROCKETKV", cfg, max_num_batched_tokens=8192)
+    whole_ids, _ = greedy(whole, prompts)
+    shutdown(whole)
+    # One request at a time, so chunk boundaries fall on multiples of `chunk`.
+    chunked = make_llm(model_path, "ROCKETKV", cfg, max_num_batched_tokens=chunk,
+                       max_num_seqs=1)
+    chunked_ids, _ = greedy(chunked, prompts)
+    shutdown(chunked)
+    for a, b in zip(whole_ids, chunked_ids):
+        assert list(a) == list(b)
+
+
+def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer):
+    """The Triton kernels (interpreted on CPU) inside the engine: same tokens
+    as the PyTorch path, with compression, a mixed batch and a dense row."""
+    prompts = [build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
+               _chat(tokenizer, "Name three colours.")]
+    cfg = {"prompt_budget": 128, "topk": 32}
+    torch_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="torch"))
+    torch_ids, _ = greedy(torch_llm, prompts, max_tokens=5)
+    shutdown(torch_llm)
+    triton_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="triton"))
+    triton_ids, _ = greedy(triton_llm, prompts, max_tokens=5)
+    shutdown(triton_llm)
+    assert [list(t) for t in triton_ids] == [list(t) for t in torch_ids]

@@ -1,0 +1,645 @@
+"""Triton kernels (``rocketkv_vllm.kernels`` / ``triton_ops``) against the
+PyTorch reference (``rocketkv_vllm.paged`` / ``algorithm``).
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter
+(TRITON_INTERPRET=1, set below before triton is imported); with a GPU (and
+TRITON_INTERPRET unset) the same tests run compiled on CUDA tensors.
+Shapes are small: the interpreter is slow and CI has 2 cores.
+
+Runs under pytest, or as ``python tests/test_kernels.py`` where pytest is
+not installed (a minimal runner below walks the same parameter lists).
+
+Tolerances (outputs vs the fp32 reference computed from the same stored
+values): fp32 atol = rtol = 1e-4; bf16 2e-2 and fp16 5e-3 (outputs are
+rounded to the 16-bit type and P is rounded to it before the P.V dot, as
+on the GPU). Scores / probabilities / KT pages are computed in fp32 from the
+same stored values on both sides: 1e-4 relative, KT and moved K/V exact.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402,F401  (after TRITON_INTERPRET is decided)
+
+try:
+    import pytest
+except ImportError:  # plain `python tests/test_kernels.py` on a bare GPU host
+    pytest = None
+
+from rocketkv_vllm import paged, triton_ops  # noqa: E402
+from rocketkv_vllm.algorithm import (  # noqa: E402
+    pool_scores,
+    sparse_attention,
+    window_attention_scores,
+)
+from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
+from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
+from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
+from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt  # noqa: E402
+from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
+from rocketkv_vllm.kernels.window_scores import window_scores  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+TOL = {F32: dict(atol=1e-4, rtol=1e-4), BF16: dict(atol=2e-2, rtol=2e-2),
+       F16: dict(atol=5e-3, rtol=5e-3)}
+
+
+class Skip(Exception):
+    pass
+
+
+_IN_PYTEST = "pytest" in sys.modules and "--no-pytest" not in sys.argv
+
+
+def skip(reason: str):
+    if _IN_PYTEST:
+        pytest.skip(reason)
+    raise Skip(reason)
+
+
+def parametrize(names: str, cases: list):
+    """pytest.mark.parametrize that also records the cases for the runner."""
+    def deco(fn):
+        fn._cases = (names, cases)
+        return pytest.mark.parametrize(names, cases)(fn) if pytest else fn
+    return deco
+
+
+# --------------------------------------------------------------------------
+# Paged cache with the KT padding after each block (as the ROCKETKV spec lays
+# it out); block 0 is never handed out, so a zero-padded block table points
+# at NaNs.
+
+class Cache:
+    def __init__(self, num_blocks, hkv, d, bs, ps, dtype, device=DEVICE):
+        width = 2 * d
+        block_elems = hkv * bs * width + hkv * (bs // ps) * width
+        self.storage = torch.full((num_blocks * block_elems,), float("nan"),
+                                  dtype=dtype, device=device)
+        self.kv = torch.as_strided(self.storage, (num_blocks, hkv, bs, width),
+                                   (block_elems, bs * width, width, 1))
+        self.kt = paged.kt_cache_view(self.kv, ps)
+        self.hkv, self.d, self.bs, self.ps, self.dtype = hkv, d, bs, ps, dtype
+        self.free = list(torch.randperm(num_blocks - 1).add(1).tolist())
+
+    def clone(self) -> "Cache":
+        other = object.__new__(Cache)
+        other.__dict__.update(self.__dict__)
+        other.storage = self.storage.clone()
+        other.kv = torch.as_strided(other.storage, self.kv.shape, self.kv.stride())
+        other.kt = paged.kt_cache_view(other.kv, self.ps)
+        return other
+
+    def new_row(self, num_blocks: int) -> torch.Tensor:
+        taken, self.free = self.free[:num_blocks], self.free[num_blocks:]
+        assert len(taken) == num_blocks, "test cache too small"
+        return torch.tensor(taken, dtype=torch.int32, device=self.kv.device)
+
+    def fill(self, row, lo, hi, gen):
+        """Random K/V at logical slots [lo, hi) of a request."""
+        n = hi - lo
+        k = torch.randn(n, self.hkv, self.d, generator=gen).to(self.dtype)
+        v = torch.randn(n, self.hkv, self.d, generator=gen).to(self.dtype)
+        slots = torch.arange(lo, hi, device=row.device)
+        flat = row[slots // self.bs].long() * self.bs + slots % self.bs
+        paged.write_kv(self.kv, k.to(row.device), v.to(row.device), flat)
+
+    def poison(self, row, slots):
+        """NaN into logical slots (all heads) of a request."""
+        if len(slots) == 0:
+            return
+        slots = torch.as_tensor(slots, device=row.device)
+        blocks, offsets = paged.physical_slots(row, slots, self.bs)
+        self.kv[blocks, :, offsets, :] = float("nan")
+
+    def poison_pages(self, row, starts):
+        if len(starts) == 0:
+            return
+        starts = torch.as_tensor(starts, device=row.device)
+        blocks, offsets = paged.physical_slots(row, starts, self.bs)
+        self.kt[blocks, :, offsets // self.ps, :] = float("nan")
+
+
+def _table(rows, width=None):
+    width = width or max(r.numel() for r in rows)
+    bt = torch.zeros(len(rows), width, dtype=torch.int32, device=DEVICE)
+    for i, r in enumerate(rows):
+        bt[i, : r.numel()] = r
+    return bt
+
+
+def _ints(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+def _close(a, b, dtype, msg=""):
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), **TOL[dtype], msg=msg)
+
+
+def _same_storage(a: Cache, b: Cache):
+    assert torch.equal(a.storage.isnan(), b.storage.isnan())
+    torch.testing.assert_close(a.storage.cpu(), b.storage.cpu(), atol=0, rtol=0,
+                               equal_nan=True)
+
+
+# --------------------------------------------------------------------------
+# Stage 1 kernels
+
+@parametrize("n,hkv,g,d,bs,w,dtype,chunk", [
+    (300, 3, 3, 64, 16, 16, F32, 128),
+    (200, 2, 4, 128, 32, 16, BF16, None),
+    (150, 1, 8, 64, 16, 8, F32, 64),
+    (180, 2, 1, 64, 32, 32, BF16, None),
+])
+def test_window_scores(n, hkv, g, d, bs, w, dtype, chunk):
+    gen = torch.Generator().manual_seed(n)
+    c = Cache(n // bs + 4, hkv, d, bs, 4, dtype)
+    row = c.new_row(-(-n // bs))
+    c.fill(row, 0, n, gen)
+    q = torch.randn(w, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    got = window_scores(q, c.kv, row, n, d**-0.5, chunk=chunk)
+    keys, _ = paged.gather_kv(c.kv, row, torch.arange(n, device=DEVICE))
+    ref = window_attention_scores(q, keys, d**-0.5)
+    assert got.shape == (hkv, n - w) and got.dtype == torch.float32
+    # Both sides compute in fp32 from the same stored values.
+    torch.testing.assert_close(got.cpu(), ref.cpu(), atol=1e-5, rtol=1e-4)
+
+
+def _kept_patterns(hkv, count, n, gen):
+    """[Hkv, count] sorted kept positions with heavy source/destination overlap."""
+    rows = []
+    for h in range(hkv):
+        kind = h % 3
+        if kind == 0:  # identity prefix, then shifted runs
+            pos = torch.cat([torch.arange(10), torch.arange(12, 12 + count - 10)])
+        elif kind == 1:  # every row moves by one slot (maximal in-tile overlap)
+            pos = torch.arange(1, count + 1)
+        else:  # random
+            pos = torch.randperm(n, generator=gen)[:count].sort().values
+        rows.append(pos)
+    return torch.stack(rows).to(DEVICE)
+
+
+@parametrize("hkv,d,bs,dtype,count", [
+    (3, 64, 16, F32, 70),
+    (4, 128, 32, BF16, 45),
+])
+def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count):
+    n = 160
+    gen = torch.Generator().manual_seed(count)
+    c = Cache(n // bs + 3, hkv, d, bs, 4, dtype)
+    row = c.new_row(-(-n // bs))
+    c.fill(row, 0, n, gen)
+    kept = _kept_patterns(hkv, count, n, gen)
+    assert bool((kept >= torch.arange(count, device=DEVICE)).all())
+    ref = c.clone()
+    compact_kept_tokens(c.kv, row, kept)
+    paged.compact_kept_tokens(ref.kv, row, kept)
+    _same_storage(c, ref)
+
+
+@parametrize("hkv,d,bs,ps,dtype,ranges", [
+    (3, 64, 16, 4, F32, [(0, 37), (96, 150)]),
+    (2, 128, 32, 8, BF16, [(0, 64), (64, 131)]),
+    (1, 64, 16, 1, F32, [(5, 20)]),
+])
+def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges):
+    n = 160
+    gen = torch.Generator().manual_seed(ps)
+    c = Cache(n // bs + 3, hkv, d, bs, ps, dtype)
+    row = c.new_row(-(-n // bs))
+    c.fill(row, 0, n, gen)
+    ref = c.clone()
+    for lo, hi in ranges:
+        write_kt_pages(c.kv, c.kt, row, lo, hi, ps)
+        paged.write_kt_pages(ref.kv, ref.kt, row, lo, hi, ps)
+    _same_storage(c, ref)
+
+
+def _pooled_ref_topk_ok(pooled, chosen, protect_from, tol):
+    """The chosen set holds top scores: min(chosen) >= max(not chosen) - tol."""
+    for h in range(pooled.shape[0]):
+        mask = torch.zeros(protect_from, dtype=torch.bool)
+        mask[chosen[h]] = True
+        lo_in = pooled[h, :protect_from][mask].min()
+        hi_out = pooled[h, :protect_from][~mask].max() if (~mask).any() else -1.0
+        assert lo_in >= hi_out - tol, (h, float(lo_in), float(hi_out))
+
+
+@parametrize("n,hkv,g,d,bs,ps,dtype,budget", [
+    (330, 3, 3, 64, 16, 4, F32, 100),
+    (260, 2, 4, 128, 32, 8, BF16, 120),
+])
+def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget):
+    gen = torch.Generator().manual_seed(n)
+    c = Cache(n // bs + 4, hkv, d, bs, ps, dtype)
+    row = c.new_row(-(-n // bs))
+    c.fill(row, 0, n, gen)
+    w, kernel, scale = 16, 7, d**-0.5
+    q = torch.randn(w, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    tail_start = n // bs * bs
+    protect_from = min(n - w, tail_start)
+    keys, _ = paged.gather_kv(c.kv, row, torch.arange(n, device=DEVICE))
+    pooled = pool_scores(window_attention_scores(q, keys, scale), kernel).cpu()
+
+    before = c.clone()
+    kept = triton_ops.snapkv_compress(c.kv, c.kt, row, q, n, budget, tail_start,
+                                      kernel, ps, scale)
+    assert kept.shape == (hkv, budget)
+    num_select = budget - (n - protect_from)
+    chosen = kept[:, :num_select].cpu()
+    assert bool((chosen[:, 1:] > chosen[:, :-1]).all())
+    assert torch.equal(kept[:, num_select:].cpu(),
+                       torch.arange(protect_from, n).expand(hkv, -1))
+    # Pooled scores have plateaus: ties may be broken differently.
+    _pooled_ref_topk_ok(pooled, chosen, protect_from, tol=1e-5 + 1e-4 * float(pooled.max()))
+    # The cache holds exactly what the reference moves for these positions.
+    num_compact = budget - (n - tail_start)
+    paged.compact_kept_tokens(before.kv, row, kept[:, :num_compact])
+    paged.write_kt_pages(before.kv, before.kt, row, 0, num_compact, ps)
+    paged.write_kt_pages(before.kv, before.kt, row, tail_start, n, ps)
+    _same_storage(c, before)
+
+
+# --------------------------------------------------------------------------
+# Decode kernels
+
+
+def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True):
+    """Requests already compressed: spec = (num_compact, tail_start, seq_len)
+    (seq_len 0: a padding row). View slots get random K/V and KT pages;
+    everything outside the views is NaN (KT pages outside too)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = sum(-(-(s[2] + 1) // bs) for s in specs)  # room for one new token
+    c = Cache(need + 2, hkv, d, bs, ps, dtype)
+    rows = []
+    for nc, ts, seq in specs:
+        row = c.new_row(-(-(seq + 1) // bs))
+        rows.append(row)
+        if seq <= 0:
+            continue
+        c.fill(row, 0, nc, gen)
+        c.fill(row, ts, seq, gen)
+        paged.write_kt_pages(c.kv, c.kt, row, 0, nc, ps)
+        paged.write_kt_pages(c.kv, c.kt, row, ts, seq, ps)
+        if not poison:
+            c.fill(row, nc, ts, gen)  # stale but finite data outside the view
+    return c, rows
+
+
+def _ref_probs(q, kt_min, kt_max, topr):
+    """Group-averaged SparQ page probabilities [Hkv, P] (the math of
+    ``algorithm.hsa_select_pages``, which returns only the selection)."""
+    hq, d = q.shape
+    num_pages, hkv, _ = kt_min.shape
+    g = hq // hkv
+    qf = q.float().view(hkv, g, d)
+    # ties broken towards the lower channel, like the kernel (torch.topk's
+    # choice among equal values is unspecified)
+    order = qf.abs().sum(1).sort(dim=-1, descending=True, stable=True).indices
+    channels = order[:, :topr]
+    positive = qf.sum(1).gather(-1, channels) > 0
+    idx = channels[:, None, :].expand(hkv, num_pages, topr)
+    kmax = kt_max.float().permute(1, 0, 2).gather(-1, idx)
+    kmin = kt_min.float().permute(1, 0, 2).gather(-1, idx)
+    bound = torch.where(positive[:, None, :], kmax, kmin)
+    q_r = qf.gather(-1, channels[:, None, :].expand(hkv, g, topr))
+    scores = torch.einsum("kgr,kpr->kgp", q_r, bound)
+    tau = torch.sqrt(d * q_r.abs().sum(-1) / qf.abs().sum(-1).clamp_min(1e-30))
+    return (scores / tau.clamp_min(1e-30)[..., None]).softmax(-1).mean(1)
+
+
+def _queries_without_channel_ties(batch, hkv, g, d, dtype, topr, gen):
+    """Random decode queries whose top-r channel choice is unambiguous (no
+    tie across the r-th largest group sum of |q|), so that the reference's
+    torch.topk and the kernel's rank must choose the same channels."""
+    while True:
+        q = torch.randn(batch, hkv * g, d, generator=gen).to(dtype)
+        sums = q.float().view(batch, hkv, g, d).abs().sum(2).sort(-1, descending=True).values
+        if all(r >= d or bool((sums[b, :, r - 1] > sums[b, :, r]).all())
+               for b, r in enumerate(topr)):
+            return q.to(DEVICE)
+
+
+def _view_kt(c, row, nc, ts, seq):
+    starts = paged.view_page_starts(nc, ts, seq, c.ps, DEVICE)
+    blocks, offsets = paged.physical_slots(row, starts, c.bs)
+    kt = c.kt[blocks, :, offsets // c.ps]
+    return kt[..., : c.d], kt[..., c.d:], starts
+
+
+@parametrize("hkv,g,d,bs,ps,dtype,force,impl", [
+    (3, 3, 64, 16, 4, F32, False, "triton"),
+    (2, 4, 128, 32, 8, BF16, True, "torch"),
+    (1, 8, 64, 16, 8, F32, True, "triton"),
+    (2, 1, 64, 32, 4, F32, False, "torch"),
+])
+def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl):
+    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
+    topr = [d, 16, 16, 5]
+    topk = [8 * ps, 3 * ps, 4 * ps, 100 * ps]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=hkv * g)
+    max_pages = 48
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
+    probs = hsa_page_probs(q, c.kt, _table(rows), nc, ts, seq, _ints(topr), ps,
+                           max_pages, force, chunk=16 if g != 4 else None)
+    max_select = max(max(k // ps, 1) for k in topk)
+    sel = select_pages(probs, max_select, nc, ts, seq, _ints(topk), ps, impl).cpu()
+    probs = probs.cpu()
+    for b, (n_c, t_s, s_l) in enumerate(specs):
+        if s_l <= 0:
+            assert bool((probs[b] == -1).all())
+            continue
+        kmin, kmax, starts = _view_kt(c, rows[b], n_c, t_s, s_l)
+        num_pages = starts.numel()
+        ref = _ref_probs(q[b], kmin, kmax, topr[b]).cpu()
+        got = probs[b, :, :num_pages].clone()
+        assert bool((probs[b, :, num_pages:] == -1).all())
+        cur = num_pages - 1  # the newest token's page is the view's last
+        if force:
+            assert bool((got[:, cur] == 2.0).all())
+            got[:, cur] = ref[:, cur]
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-4)
+        n_use = min(max(topk[b] // ps, 1), num_pages)
+        for h in range(hkv):
+            _check_selection(sel[b, h, :n_use], ref[h], num_pages,
+                             cur if force else None)
+
+
+def _check_selection(chosen, ref_probs, num_pages, forced=None, tol=1e-6):
+    """Distinct valid pages holding the highest reference probabilities
+    (up to tol: near-ties may go either way), the forced page included."""
+    n_use = chosen.numel()
+    assert chosen.unique().numel() == n_use
+    assert int(chosen.min()) >= 0 and int(chosen.max()) < num_pages
+    mask = torch.zeros(num_pages, dtype=torch.bool)
+    mask[chosen.long()] = True
+    if forced is not None:
+        assert bool(mask[forced])
+        mask[forced] = False
+    rest = ~mask
+    if forced is not None:
+        rest[forced] = False
+    if mask.any() and rest.any():
+        assert float(ref_probs[mask].min()) >= float(ref_probs[rest].max()) - tol
+
+
+@parametrize("impl", ["triton", "torch"])
+def test_select_pages_with_ties(impl):
+    """Plateaus of equal probabilities: exactly n_use distinct top pages."""
+    gen = torch.Generator().manual_seed(0)
+    ps, hkv = 4, 3
+    specs = [(40, 64, 100), (0, 0, 0), (8, 16, 17), (400, 512, 600),
+             (4000, 4096, 48000)]  # the last: ~12k pages (P_PAD 16384, the widest)
+    num_pages = [paged.view_page_starts(*s, ps, "cpu").numel() if s[2] else 0
+                 for s in specs]
+    max_pages = max(num_pages) + 3
+    probs = torch.full((len(specs), hkv, max_pages), -1.0)
+    for b, n in enumerate(num_pages):
+        levels = torch.tensor([0.0, 1e-3, 0.25, 0.5, 2.0])
+        probs[b, :, :n] = levels[torch.randint(0, 5, (hkv, n), generator=gen)]
+    topk = [12 * ps, ps, 7 * ps, 64 * ps, 50 * ps]
+    args = [_ints([s[i] for s in specs]) for i in range(3)]
+    sel = select_pages(probs.to(DEVICE), 64, *args, _ints(topk), ps, impl).cpu()
+    for b, n in enumerate(num_pages):
+        n_use = min(max(topk[b] // ps, 1), n, 64)
+        for h in range(hkv):
+            if n_use:
+                _check_selection(sel[b, h, :n_use], probs[b, h, :n], n, tol=0.0)
+
+
+def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
+    """Attention over the tokens of the given view pages, per KV head."""
+    starts = paged.view_page_starts(nc, ts, seq, c.ps, DEVICE)
+    slots = (starts[:, None] + torch.arange(c.ps, device=DEVICE)).flatten()
+    end = torch.where(starts < ts, nc, seq).repeat_interleave(c.ps)
+    in_view = slots < end
+    keys, values = paged.gather_kv(c.kv, row, torch.where(in_view, slots, 0))
+    mask = torch.zeros(c.hkv, starts.numel(), dtype=torch.bool, device=DEVICE)
+    for h in range(c.hkv):
+        mask[h, pages[h]] = True
+    token_mask = mask.repeat_interleave(c.ps, dim=1) & in_view[None, :]
+    keys = torch.where(token_mask.T[..., None], keys, 0)
+    values = torch.where(token_mask.T[..., None], values, 0)
+    return sparse_attention(q, keys, values, token_mask, scale)
+
+
+@parametrize("hkv,g,d,bs,ps,dtype,splits", [
+    (3, 3, 64, 16, 4, F32, 1),
+    (2, 4, 128, 32, 8, BF16, 3),
+    (1, 8, 64, 16, 8, F32, None),
+    (4, 1, 64, 32, 4, BF16, 2),
+    (2, 3, 80, 16, 16, F16, 2),
+])
+def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits):
+    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
+    topk = [6 * ps, 2 * ps, ps, 100 * ps]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g)
+    gen = torch.Generator().manual_seed(3)
+    n_sel = 6
+    sel = torch.zeros(len(specs), hkv, n_sel, dtype=torch.int64)
+    for b, (nc, ts, seq) in enumerate(specs):
+        num_pages = paged.view_page_starts(nc, ts, seq, ps, "cpu").numel()
+        for h in range(hkv):
+            perm = torch.randperm(max(num_pages, 1), generator=gen)[:n_sel]
+            sel[b, h, : perm.numel()] = perm
+    q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
+    out = sparse_decode(q, c.kv, _table(rows), sel.to(DEVICE), nc, ts, seq,
+                        _ints(topk), ps, scale, num_splits=splits)
+    assert out.dtype == dtype and bool(out.isfinite().all())
+    for b, (n_c, t_s, s_l) in enumerate(specs):
+        if s_l <= 0:
+            assert bool((out[b] == 0).all())
+            continue
+        num_pages = paged.view_page_starts(n_c, t_s, s_l, ps, "cpu").numel()
+        n_use = min(max(topk[b] // ps, 1), num_pages, n_sel)
+        ref = _sparse_ref(q[b], c, rows[b], n_c, t_s, s_l, sel[b, :, :n_use], scale)
+        _close(out[b], ref, dtype, msg=f"row {b}")
+
+
+@parametrize("hkv,g,d,bs,dtype,splits", [
+    (3, 3, 64, 16, F32, 4),
+    (2, 4, 128, 32, BF16, None),
+    (1, 8, 64, 16, BF16, 1),
+    (2, 3, 64, 16, F16, 2),
+])
+def test_dense_decode(hkv, g, d, bs, dtype, splits):
+    seqs = [150, 1, 0, 77]
+    gen = torch.Generator().manual_seed(g)
+    c = Cache(sum(-(-max(s, 1) // bs) for s in seqs) + 2, hkv, d, bs, 4, dtype)
+    rows = []
+    for s in seqs:
+        rows.append(c.new_row(-(-max(s, 1) // bs)))
+        c.fill(rows[-1], 0, s, gen)
+    q = torch.randn(len(seqs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    out = dense_decode(q, c.kv, _table(rows), _ints(seqs), d**-0.5, max(seqs),
+                       num_splits=splits)
+    for b, s in enumerate(seqs):
+        if s == 0:
+            assert bool((out[b] == 0).all())
+            continue
+        ref = paged.dense_attention(q[b : b + 1], torch.tensor([s - 1], device=DEVICE),
+                                    c.kv, rows[b], s, d**-0.5)
+        _close(out[b], ref[0], dtype, msg=f"row {b}")
+
+
+@parametrize("hkv,d,bs,ps,dtype,fused", [
+    (3, 64, 16, 4, F32, False),
+    (2, 128, 32, 8, BF16, True),
+    (2, 64, 16, 1, F32, True),
+])
+def test_kt_update(hkv, d, bs, ps, dtype, fused):
+    specs = [(37, 96, 150), (64, 64, 65), (0, 0, 0), (13, 32, 40)]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=ps)
+    gen = torch.Generator().manual_seed(11)
+    seqs = _ints([s[2] + (1 if s[2] else 0) for s in specs])  # one new token each
+    key = torch.randn(len(specs), hkv, d, generator=gen).to(dtype).to(DEVICE)
+    value = torch.randn(len(specs), hkv, d, generator=gen).to(dtype).to(DEVICE)
+    ref = c.clone()
+    for b, (nc, ts, seq) in enumerate(specs):
+        if seq == 0:
+            continue
+        flat = (rows[b][seq // bs].long() * bs + seq % bs).view(1)
+        paged.write_kv(ref.kv, key[b : b + 1], value[b : b + 1], flat)
+        if not fused:
+            paged.write_kv(c.kv, key[b : b + 1], value[b : b + 1], flat)
+        lo = seq - seq % ps
+        paged.write_kt_pages(ref.kv, ref.kt, rows[b], lo, seq + 1, ps)
+    if fused:
+        write_kv_and_kt(c.kv, c.kt, key, value, _table(rows), seqs, ps)
+    else:
+        kt_update(c.kv, c.kt, _table(rows), seqs, ps)
+    _same_storage(c, ref)
+
+
+@parametrize("hkv,g,d,bs,ps,dtype,force,impl", [
+    (3, 3, 64, 16, 4, F32, False, "auto"),
+    (2, 4, 128, 32, 8, BF16, True, "auto"),
+    (1, 8, 64, 16, 4, BF16, False, "torch"),
+    (2, 3, 64, 16, 1, F32, True, "auto"),
+    (2, 2, 128, 16, 16, F32, False, "auto"),
+])
+def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps, dtype,
+                                                               force, impl):
+    """End to end: KT update + scoring + selection + sparse attention. The
+    kernel's cache has NaN everywhere outside the views; the reference runs
+    on a copy with finite stale data there (its masked einsum is not NaN
+    safe). Outputs must be finite and equal."""
+    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140)]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g + ps)
+    clean = c.clone()
+    gen = torch.Generator().manual_seed(5)
+    for b, (nc, ts, seq) in enumerate(specs):
+        if seq:
+            clean.fill(rows[b], nc, ts, gen)
+            # KT pages outside the view: NaN in the kernel's cache
+            first_free = -(-nc // ps) * ps
+            c.poison_pages(rows[b], list(range(first_free, ts, ps)))
+    # a new token per row (stored before the call, as the backend does)
+    seqs = [s[2] + 1 if s[2] else 0 for s in specs]
+    for b, (nc, ts, seq) in enumerate(specs):
+        if seq:
+            state = gen.get_state()
+            c.fill(rows[b], seq, seq + 1, gen)
+            gen.set_state(state)
+            clean.fill(rows[b], seq, seq + 1, gen)
+    topk = [4 * ps, 2 * ps, ps, 100 * ps, 3 * ps]
+    topr = [d, 16, 16, 7, d // 2]
+    q = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
+    args = (_table(rows), *(_ints([s[i] for s in specs]) for i in (0, 1)),
+            _ints(seqs), _ints(topk), _ints(topr), ps, d**-0.5)
+    max_pages = max(paged.view_page_starts(nc, ts, sq, ps, "cpu").numel()
+                    for (nc, ts, _), sq in zip(specs, seqs)) + 3
+    max_select = max(max(k // ps, 1) for k in topk)
+    out = triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args, max_pages, max_select, force,
+                                      select_impl=impl)
+    ref = triton_ops.hsa_decode_batch_reference(q, clean.kv, clean.kt, *args,
+                                                force_current_page=force)
+    assert bool(out.isfinite().all())
+    assert bool((out[2] == 0).all())
+    _close(out, ref, dtype)
+    # the KT update touched the same pages as the reference's
+    for b, (nc, ts, seq) in enumerate(specs):
+        if seq:
+            kmin, kmax, _ = _view_kt(c, rows[b], nc, ts, seqs[b])
+            rmin, rmax, _ = _view_kt(clean, rows[b], nc, ts, seqs[b])
+            assert torch.equal(kmin, rmin) and torch.equal(kmax, rmax)
+
+
+def test_hsa_decode_batch_cuda_graph():
+    """Decode path captured in a CUDA graph and replayed (no host syncs)."""
+    if DEVICE.type != "cuda":
+        skip("needs CUDA")
+    hkv, g, d, bs, ps, dtype = 2, 4, 128, 16, 4, BF16
+    specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33)]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=1)
+    q = torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype)
+    args = (_table(rows), _ints([s[0] for s in specs]), _ints([s[1] for s in specs]),
+            _ints([s[2] for s in specs]), _ints([16] * 3), _ints([32] * 3), ps, d**-0.5,
+            40, 8)
+    eager = triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args)
+    out = torch.empty_like(eager)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside capture
+        triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------
+# Minimal runner for hosts without pytest.
+
+def _main() -> int:
+    if pytest is not None and "--no-pytest" not in sys.argv:
+        return pytest.main([__file__, "-q", "-rs"] + [a for a in sys.argv[1:]])
+    failed = passed = skipped = 0
+    start = time.time()
+    for name, fn in list(globals().items()):
+        if not name.startswith("test_") or not callable(fn):
+            continue
+        names, cases = getattr(fn, "_cases", ("", [()]))
+        keys = [k.strip() for k in names.split(",")] if names else []
+        for case in cases:
+            if len(keys) == 1:  # pytest: one name -> each case is the value
+                case = (case,)
+            kwargs = dict(zip(keys, case))
+            label = f"{name}[{'-'.join(map(str, case))}]"
+            try:
+                fn(**kwargs)
+            except Skip as exc:
+                skipped += 1
+                print(f"SKIP {label}: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                failed += 1
+                print(f"FAIL {label}: {type(exc).__name__}: {exc}")
+            else:
+                passed += 1
+                print(f"ok   {label}")
+    print(f"{passed} passed, {failed} failed, {skipped} skipped "
+          f"in {time.time() - start:.1f}s (device {DEVICE})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,114 @@
+"""Evicted blocks go back to vLLM's pool: accounting, no reads after, no leaks."""
+
+import importlib.util
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from rocketkv_vllm.config import parse_config, resolve_settings
+from rocketkv_vllm.kv_cache import RocketKVAttentionSpec, make_rocketkv_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_capacity", ROOT / "scripts" / "bench_capacity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_spec_counts_kt_pages_in_every_block():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    settings = resolve_settings(parse_config({"page_size": 4}), 16, 64, 8192)
+    base = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64,
+                             dtype=torch.bfloat16)
+    spec = make_rocketkv_spec(base, settings)
+    assert isinstance(spec, RocketKVAttentionSpec)
+    kv = 16 * 3 * 2 * 64 * 2
+    kt = 3 * (16 // 4) * 2 * 64 * 2
+    assert base.page_size_bytes == kv
+    assert spec.page_size_bytes == kv + kt  # KT = 1/page_size of the K+V bytes
+    merged = RocketKVAttentionSpec.merge([spec, spec])
+    assert merged == spec
+
+
+def _random_prompts(n, lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for length in lengths]
+
+
+@pytest.mark.engine
+def test_freed_blocks_are_never_read_and_nothing_leaks(model_path):
+    """Freed blocks are NaN-filled before they go back, then reused by other
+    requests under a tight cache (with preemptions); outputs must equal a run
+    that never frees, and every block must come back."""
+    bench = _bench()
+    prompts = _random_prompts(6, [1500, 1800, 2100, 300, 1650, 2400])
+    cfg = {"prompt_budget": 256}
+    ample = bench.run_capacity(model_path, "ROCKETKV", prompts, 1 << 30,
+                               dict(cfg, free_evicted_blocks=False), max_tokens=20)
+    tight_bytes = bench.kv_bytes_for_tokens(model_path, 3600, 4)
+    tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes,
+                               dict(cfg, poison_evicted_blocks=True), max_tokens=20)
+    assert tight.finished == ample.finished == len(prompts)
+    assert tight.outputs == ample.outputs
+    # The tight cache only fits everything because blocks were given back.
+    total_dense_blocks = sum(math.ceil((len(p) + 20) / 32) for p in prompts)
+    assert tight.num_blocks < total_dense_blocks
+    for held, p in zip(tight.blocks_after_prefill, prompts):
+        assert abs(held - bench.expected_blocks(256, len(p), 32)) <= 1
+
+
+@pytest.mark.engine
+def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    bench = _bench()
+    llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=8192,
+              enforce_eager=True, dtype="float32", block_size=32,
+              kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
+              max_num_batched_tokens=512, max_num_seqs=8,
+              additional_config={"rocketkv": {"prompt_budget": 256}})
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    start_free = pool.get_num_free_blocks()
+    preemptions = []
+    original = sched._preempt_request
+    sched._preempt_request = lambda *a, **k: (preemptions.append(1), original(*a, **k))[1]
+
+    prompts = _random_prompts(6, [1900, 1200, 2200, 100, 1700, 900], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, toks in enumerate(prompts):
+        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=toks), params)
+    aborted_mid_prefill = aborted_mid_decode = False
+    finished = set()
+    for _ in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished.add(out.request_id)
+        by_id = {r.request_id: r for r in sched.running}
+        if not aborted_mid_prefill and "r2" in by_id and \
+                0 < by_id["r2"].num_computed_tokens < by_id["r2"].num_prompt_tokens:
+            engine.abort_request(["r2"])
+            aborted_mid_prefill = True
+        if not aborted_mid_decode and "r0" in by_id and \
+                by_id["r0"].num_output_tokens >= 5:
+            engine.abort_request(["r0"])
+            aborted_mid_decode = True
+    assert not engine.has_unfinished_requests()
+    assert aborted_mid_prefill and aborted_mid_decode
+    assert finished >= {"r1", "r3", "r4", "r5"}
+    assert preemptions, "the cache was meant to be tight enough to preempt"
+    assert pool.get_num_free_blocks() == start_free
+    engine.engine_core.shutdown()
