@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from rocketkv_vllm.config import (
     CONFIG_KEY,
     RocketKVSettings,
+    kept_tokens_per_head,
     parse_config,
     plan_request,
     resolve_settings,
@@ -61,6 +62,12 @@ def process_settings() -> RocketKVSettings:
     if _process_settings is None:
         raise RuntimeError("ROCKETKV settings were not resolved in this process")
     return _process_settings
+
+
+def kept_tokens_for_prompt(vllm_config, num_prompt_tokens: int) -> int:
+    """KV tokens each KV head keeps for a prompt of this length."""
+    return kept_tokens_per_head(settings_from_vllm_config(vllm_config),
+                                num_prompt_tokens)
 
 
 def uses_triton(settings: RocketKVSettings) -> bool:

@@ -45,12 +45,15 @@ _TEMPLATES = [
     "The {place} is usually {adj} when the weather is {weather}.",
 ]
 
-# Needle = word + "-" + four digits. Words are single tokens for the SmolLM2
-# tokenizer both with and without a leading space: the 135M model often
-# answers in quotes ("word-1234"), and when the no-space form splits into
-# pieces it mangles or drops the word. Words also avoid the filler vocabulary.
-_SECRET_WORDS = ["amber", "orange", "purple", "yellow", "ocean", "forest",
-                 "wolf", "lion", "music", "winter", "summer", "window"]
+# Needle secret = two different words joined by "-" (e.g. "amber-wolf").
+# Dense SmolLM2-135M retrieved word-word secrets more reliably than
+# word-number ones (42/48 vs 56/72 over 1k-7k tokens): with digits it often
+# dropped the word or answered a stock "1234567890". The words are single
+# tokens for its tokenizer both with and without a leading space (it often
+# answers in quotes, and mangles words that split there, e.g. "onyx" -> "yx")
+# and stay clear of the filler's vocabulary (seasons, weather, places).
+_SECRET_WORDS = ["amber", "orange", "purple", "ocean", "forest", "wolf",
+                 "lion", "music", "window", "paper", "table"]
 NEEDLE_TEMPLATE = "The secret passphrase is {secret}."
 INTRO = ("Below is a long text. Somewhere in it there is a secret passphrase. "
          "Read it carefully.")
@@ -61,9 +64,13 @@ QUESTION = "What is the secret passphrase? Answer with the passphrase only."
 class NeedleCase:
     prompt: str  # final text after the chat template (generation prompt added)
     num_tokens: int  # token count of ``prompt`` per the tokenizer
-    answer: str  # the secret passphrase, e.g. "amber-7421"
+    answer: str  # the secret passphrase, e.g. "amber-wolf"
     depth: float  # needle position as a fraction of the haystack
     token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+def _make_secret(rng: random.Random) -> str:
+    return "-".join(rng.sample(_SECRET_WORDS, 2))
 
 
 def _sentence(rng: random.Random) -> str:
@@ -106,7 +113,7 @@ def build_needle_prompt(tokenizer: Any, target_tokens: int, depth: float,
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(seed)
-    secret = f"{rng.choice(_SECRET_WORDS)}-{rng.randint(1000, 9999)}"
+    secret = _make_secret(rng)
     needle = NEEDLE_TEMPLATE.format(secret=secret)
 
     base, _ = _render(tokenizer, needle)

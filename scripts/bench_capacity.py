@@ -50,6 +50,11 @@ def kv_bytes_for_tokens(model_path: str, tokens: int, dtype_bytes: int) -> int:
     return tokens * per_token * cfg["num_hidden_layers"]
 
 
+def external_id(request) -> str:
+    """The caller's request id (vLLM appends "-<8 random chars>" internally)."""
+    return request.request_id.rsplit("-", 1)[0]
+
+
 def _scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -69,13 +74,14 @@ def run_capacity(
     block_size: int = 32,
     dtype: str = "auto",
     max_num_batched_tokens: int = 2048,
+    max_model_len: int = 8192,
     engine_kw: dict | None = None,
 ) -> CapacityResult:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kw = dict(
-        model=model_path, attention_backend=backend, max_model_len=8192,
+        model=model_path, attention_backend=backend, max_model_len=max_model_len,
         enforce_eager=True, dtype=dtype, block_size=block_size,
         kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=False,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=len(prompts),
@@ -114,8 +120,11 @@ def run_capacity(
                     if r.num_computed_tokens >= r.num_prompt_tokens]
         peak = max(peak, len(decoding))
         for r in decoding:
-            if r.request_id not in after_prefill:
-                after_prefill[r.request_id] = held_blocks(sched, r.request_id)
+            # Blocks go back when the request is next scheduled, so look once
+            # its first decode step has run.
+            if r.num_computed_tokens > r.num_prompt_tokens and \
+                    external_id(r) not in after_prefill:
+                after_prefill[external_id(r)] = held_blocks(sched, r.request_id)
     wall = time.perf_counter() - start
     free_after = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     llm.llm_engine.engine_core.shutdown()

@@ -73,11 +73,9 @@ def kept_tokens(llm: Any, backend: str, num_prompt_tokens: int) -> str:
     """KV tokens kept per KV head for this prompt, as a printable string."""
     if not is_rocketkv(backend):
         return f"{num_prompt_tokens} (dense backend keeps all)"
-    try:
-        from rocketkv_vllm.config import kept_tokens_for_prompt
-    except (ImportError, AttributeError):  # helper not wired yet
-        return "n/a"
-    return str(kept_tokens_for_prompt(llm, num_prompt_tokens))
+    from rocketkv_vllm.engine_config import kept_tokens_for_prompt
+
+    return str(kept_tokens_for_prompt(llm.llm_engine.vllm_config, num_prompt_tokens))
 
 
 def build_llm_kwargs(args: argparse.Namespace, model: str) -> dict[str, Any]:

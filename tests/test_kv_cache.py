@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ def _bench():
     spec = importlib.util.spec_from_file_location(
         "bench_capacity", ROOT / "scripts" / "bench_capacity.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_capacity"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -52,10 +54,15 @@ def test_freed_blocks_are_never_read_and_nothing_leaks(model_path):
     prompts = _random_prompts(6, [1500, 1800, 2100, 300, 1650, 2400])
     cfg = {"prompt_budget": 256}
     ample = bench.run_capacity(model_path, "ROCKETKV", prompts, 1 << 30,
-                               dict(cfg, free_evicted_blocks=False), max_tokens=20)
-    tight_bytes = bench.kv_bytes_for_tokens(model_path, 3600, 4)
+                               dict(cfg, free_evicted_blocks=False), max_tokens=20,
+                               max_model_len=4096)
+    # Room for ~4200 tokens with KT pages (5300 without; the engine needs one
+    # max_model_len request);
+    # the six prompts need about 9700.
+    tight_bytes = bench.kv_bytes_for_tokens(model_path, 5300, 4)
     tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes,
-                               dict(cfg, poison_evicted_blocks=True), max_tokens=20)
+                               dict(cfg, poison_evicted_blocks=True), max_tokens=20,
+                               max_model_len=4096)
     assert tight.finished == ample.finished == len(prompts)
     assert tight.outputs == ample.outputs
     # The tight cache only fits everything because blocks were given back.
@@ -72,9 +79,9 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
     from vllm.inputs import TokensPrompt
 
     bench = _bench()
-    llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=8192,
+    llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=4096,
               enforce_eager=True, dtype="float32", block_size=32,
-              kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
+              kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 5300, 4),
               max_num_batched_tokens=512, max_num_seqs=8,
               additional_config={"rocketkv": {"prompt_budget": 256}})
     engine = llm.llm_engine
@@ -97,7 +104,7 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
         for out in engine.step():
             if out.finished:
                 finished.add(out.request_id)
-        by_id = {r.request_id: r for r in sched.running}
+        by_id = {bench.external_id(r): r for r in sched.running}
         if not aborted_mid_prefill and "r2" in by_id and \
                 0 < by_id["r2"].num_computed_tokens < by_id["r2"].num_prompt_tokens:
             engine.abort_request(["r2"])
