@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".rocketkv-complete"
@@ -53,7 +54,7 @@ def _build(src: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     try:  # newer transformers may keep GGUF blocks packed; force plain tensors
         from transformers import GgufConfig
 

@@ -116,8 +116,7 @@ def build_needle_prompt(tokenizer: Any, target_tokens: int, depth: float,
     secret = _make_secret(rng)
     needle = NEEDLE_TEMPLATE.format(secret=secret)
 
-    base, _ = _render(tokenizer, needle)
-    base_len = len(tokenizer.encode(base, add_special_tokens=False))
+    base_len = len(_render(tokenizer, needle)[1])  # prompt with no filler
     if target_tokens < base_len:
         raise ValueError(f"target_tokens={target_tokens} is below the "
                          f"{base_len}-token minimum prompt")
