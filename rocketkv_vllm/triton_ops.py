@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from rocketkv_vllm import paged
+from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
 from rocketkv_vllm.kernels.dense_decode import dense_decode
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages
@@ -70,19 +71,9 @@ def snapkv_keep_positions(
     """``algorithm.snapkv_keep_positions`` on the paged prompt keys:
     kept positions [Hkv, prompt_budget] int64, each row sorted."""
     n = int(num_prompt_tokens)
-    w = q_window.shape[0]
-    assert 0 <= protect_from <= n - w and n > prompt_budget
-    num_select = prompt_budget - (n - protect_from)
-    assert num_select >= 0
     scores = window_scores(q_window, kv_cache, block_row, n, scale)
-    pooled = torch.nn.functional.max_pool1d(
-        scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
-    )[:, 0, :]
-    chosen = pooled[:, :protect_from].topk(num_select, dim=-1).indices
-    chosen = chosen.sort(dim=-1).values
-    protected = torch.arange(protect_from, n, device=chosen.device)
-    protected = protected.expand(scores.shape[0], -1)
-    return torch.cat([chosen, protected], dim=-1)
+    return keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
+                                      protect_from)
 
 
 def snapkv_compress(

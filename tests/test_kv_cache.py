@@ -79,9 +79,10 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
     from vllm.inputs import TokensPrompt
 
     bench = _bench()
-    llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=4096,
+    # ~2400 tokens of cache for six prompts of 8000 tokens in all.
+    llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=2304,
               enforce_eager=True, dtype="float32", block_size=32,
-              kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 5300, 4),
+              kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
               max_num_batched_tokens=512, max_num_seqs=8,
               additional_config={"rocketkv": {"prompt_budget": 256}})
     engine = llm.llm_engine

@@ -52,15 +52,27 @@ def snapkv_keep_positions(
     scores among positions < protect_from.
     """
     n = keys.shape[0]
-    w = q_win.shape[0]
     if protect_from is None:
-        protect_from = n - w
-    assert 0 <= protect_from <= n - w and n > prompt_budget
+        protect_from = n - q_win.shape[0]
+    scores = window_attention_scores(q_win, keys, scale)
+    return keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
+                                      protect_from)
+
+
+def keep_positions_from_scores(
+    scores: torch.Tensor,
+    num_prompt_tokens: int,
+    prompt_budget: int,
+    kernel_size: int,
+    protect_from: int,
+) -> torch.Tensor:
+    """Selection from window scores [Hkv, N - w] (see snapkv_keep_positions)."""
+    n = num_prompt_tokens
+    assert 0 <= protect_from <= scores.shape[1] and n > prompt_budget
     num_select = prompt_budget - (n - protect_from)
     assert num_select >= 0
-    pooled = pool_scores(window_attention_scores(q_win, keys, scale), kernel_size)
+    pooled = pool_scores(scores, kernel_size)
     chosen = pooled[:, :protect_from].topk(num_select, dim=-1).indices
     chosen = chosen.sort(dim=-1).values
-    protected = torch.arange(protect_from, n, device=keys.device)
-    protected = protected.expand(keys.shape[1], -1)
-    return torch.cat([chosen, protected], dim=-1)
+    protected = torch.arange(protect_from, n, device=scores.device)
+    return torch.cat([chosen, protected.expand(scores.shape[0], -1)], dim=-1)
