@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="dense,rocketkv")
     ap.add_argument("--dense-backend", default=None,
                     help="vLLM backend for the dense run (default: platform's)")
-    ap.add_argument("--json", action="store_true", help="print JSON only")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--out", default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
 
     from rocketkv_vllm.model import prepare_default_model
@@ -204,6 +205,9 @@ def main(argv=None) -> int:
         "kv_cache_bytes": kv_bytes, "prompt_tokens": args.prompt_tokens,
         "results": rows,
     }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

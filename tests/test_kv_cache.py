@@ -79,7 +79,7 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
     from vllm.inputs import TokensPrompt
 
     bench = _bench()
-    # ~2400 tokens of cache for six prompts of 8000 tokens in all.
+    # ~2400 tokens of cache (with KT pages) for requests needing ~9000.
     llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=2304,
               enforce_eager=True, dtype="float32", block_size=32,
               kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
@@ -93,13 +93,18 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
     original = sched._preempt_request
     sched._preempt_request = lambda *a, **k: (preemptions.append(1), original(*a, **k))[1]
 
-    prompts = _random_prompts(6, [1900, 1200, 2200, 100, 1700, 900], seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    for i, toks in enumerate(prompts):
+    # Two short uncompressed requests with long outputs outgrow the cache,
+    # so requests get preempted and recomputed; r2 is aborted mid-prefill
+    # and r0 mid-decode.
+    lengths = [1900, 1200, 2200, 200, 220, 1700]
+    max_tokens = [60, 100, 50, 1050, 1050, 300]
+    prompts = _random_prompts(6, lengths, seed=3)
+    for i, (toks, n_out) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
         engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=toks), params)
     aborted_mid_prefill = aborted_mid_decode = False
     finished = set()
-    for _ in range(400):
+    for _ in range(3000):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
