@@ -79,7 +79,7 @@ def _pages(x, ps):
 
 def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale):
     hkv = tail_k.shape[1]
-    mins, maxs, ks, vs = [], [], [], []
+    mins, maxs = [], []
     for h in range(hkv):
         kc, kt_ = view_k[h], tail_k[:, h]
         cmin, cmax = _pages(kc, ps)
