@@ -1,7 +1,10 @@
 """RocketKV steps on vLLM's paged KV cache, in PyTorch (reference path).
 
 Layout (one attention layer, LBHNC, what vLLM hands the backend):
-  kv_cache [num_blocks, Hkv, block_size, 2*d]: K in [..., :d], V in [..., d:].
+  kv_cache [num_blocks, Hkv, block_size, 2*d], shared with vLLM's own
+      attention backend, which decides where K and V sit inside a block
+      (``split_kv``). Everything below works on the two views
+      k_cache / v_cache [num_blocks, Hkv, block_size, d] with any strides.
   kt_cache [num_blocks, Hkv, block_size // page_size, 2*d]: per page of
       page_size slots, element-wise min key in [..., :d], max key in [..., d:].
       It lives in the padding vLLM allocates after each block (see
@@ -46,40 +49,64 @@ def kt_cache_view(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
     )
 
 
+KV_LAYOUTS = ("token", "head_rows")
+
+
+def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [num_blocks, Hkv, block_size, d] of a layer's cache.
+
+    "token": K|V on the last dim of every token (vLLM's FLASH_ATTN and
+    TRITON_ATTN); "head_rows": each head's block is [2 * block_size, d], K
+    rows first, then V rows (vLLM's CPU_ATTN).
+    """
+    num_blocks, num_heads, block_size, width = kv_cache.shape
+    d = width // 2
+    if layout == "token":
+        return kv_cache[..., :d], kv_cache[..., d:]
+    if layout == "head_rows":
+        rows = kv_cache.view(num_blocks, num_heads, 2 * block_size, d)
+        return rows[:, :, :block_size], rows[:, :, block_size:]
+    raise ValueError(f"unknown KV layout {layout!r}: allowed {KV_LAYOUTS}")
+
+
 def physical_slots(block_row: torch.Tensor, slots: torch.Tensor, block_size: int):
     """(block ids, offsets) of logical slots of one request."""
     return block_row[slots // block_size].long(), slots % block_size
 
 
 def write_kv(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store new tokens' K/V at vLLM's flat slot ids (block * bs + offset)."""
-    block_size = kv_cache.shape[2]
-    d = key.shape[-1]
+    block_size = k_cache.shape[2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
     # [T, Hkv, d] -> cache[block, :, offset, :]
-    kv_cache[blocks, :, offsets, :d] = key[valid].to(kv_cache.dtype)
-    kv_cache[blocks, :, offsets, d:] = value[valid].to(kv_cache.dtype)
+    k_cache[blocks, :, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = value[valid].to(v_cache.dtype)
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [T, Hkv, d] of logical slots shared by all heads."""
-    d = kv_cache.shape[-1] // 2
-    blocks, offsets = physical_slots(block_row, slots, kv_cache.shape[2])
-    kv = kv_cache[blocks, :, offsets, :]
-    return kv[..., :d], kv[..., d:]
+    blocks, offsets = physical_slots(block_row, slots, k_cache.shape[2])
+    return k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]
 
 
 def compact_kept_tokens(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, kept: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    kept: torch.Tensor,
 ) -> None:
     """Move head h's token at logical slot kept[h, j] to slot j, per head.
 
@@ -89,17 +116,18 @@ def compact_kept_tokens(
     num_heads, count = kept.shape
     if count == 0:
         return
-    block_size = kv_cache.shape[2]
+    block_size = k_cache.shape[2]
     heads = torch.arange(num_heads, device=kept.device)[:, None].expand(-1, count)
     src_blocks, src_offsets = physical_slots(block_row, kept, block_size)
     dst = torch.arange(count, device=kept.device)[None, :].expand(num_heads, -1)
     dst_blocks, dst_offsets = physical_slots(block_row, dst, block_size)
-    moved = kv_cache[src_blocks, heads, src_offsets].clone()
-    kv_cache[dst_blocks, heads, dst_offsets] = moved
+    for cache in (k_cache, v_cache):
+        moved = cache[src_blocks, heads, src_offsets].clone()
+        cache[dst_blocks, heads, dst_offsets] = moved
 
 
 def write_kt_pages(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_row: torch.Tensor,
     lo: int,
@@ -111,11 +139,12 @@ def write_kt_pages(
     if hi <= lo:
         return
     assert lo % page_size == 0
-    d = kv_cache.shape[-1] // 2
-    block_size = kv_cache.shape[2]
+    d = k_cache.shape[-1]
+    block_size = k_cache.shape[2]
     num_pages = -(-(hi - lo) // page_size)
-    slots = torch.arange(lo, lo + num_pages * page_size, device=kv_cache.device)
-    keys, _ = gather_kv(kv_cache, block_row, slots.clamp_max(hi - 1))
+    slots = torch.arange(lo, lo + num_pages * page_size, device=k_cache.device)
+    blocks, offsets = physical_slots(block_row, slots.clamp_max(hi - 1), block_size)
+    keys = k_cache[blocks, :, offsets]
     keys = keys.float().view(num_pages, page_size, -1, d)  # [P, ps, Hkv, d]
     valid = (slots < hi).view(num_pages, page_size, 1, 1)
     kmin = keys.masked_fill(~valid, float("inf")).amin(dim=1)
@@ -139,7 +168,8 @@ def view_page_starts(
 def dense_attention(
     query: torch.Tensor,
     q_positions: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     block_row: torch.Tensor,
     seq_len: int,
     scale: float,
@@ -149,7 +179,7 @@ def dense_attention(
     slots [0, seq_len). Returns [T, Hq, d] in query.dtype."""
     num_q_heads = query.shape[1]
     keys, values = gather_kv(
-        kv_cache, block_row, torch.arange(seq_len, device=query.device)
+        k_cache, v_cache, block_row, torch.arange(seq_len, device=query.device)
     )
     group = num_q_heads // keys.shape[1]
     k = keys.transpose(0, 1).repeat_interleave(group, dim=0).to(query.dtype)
@@ -167,7 +197,8 @@ def dense_attention(
 
 
 def snapkv_compress(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_row: torch.Tensor,
     q_window: torch.Tensor,
@@ -184,21 +215,24 @@ def snapkv_compress(
     """
     n = num_prompt_tokens
     window = q_window.shape[0]
-    keys, _ = gather_kv(kv_cache, block_row, torch.arange(n, device=kv_cache.device))
+    blocks, offsets = physical_slots(
+        block_row, torch.arange(n, device=k_cache.device), k_cache.shape[2])
+    keys = k_cache[blocks, :, offsets]
     kept = snapkv_keep_positions(
         q_window, keys, scale, prompt_budget, kernel_size,
         protect_from=min(n - window, tail_start),
     )
     num_compact = prompt_budget - (n - tail_start)
-    compact_kept_tokens(kv_cache, block_row, kept[:, :num_compact])
-    write_kt_pages(kv_cache, kt_cache, block_row, 0, num_compact, page_size)
-    write_kt_pages(kv_cache, kt_cache, block_row, tail_start, n, page_size)
+    compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
+    write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
+    write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
     return kept
 
 
 def hsa_decode(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_row: torch.Tensor,
     num_compact: int,
@@ -212,14 +246,14 @@ def hsa_decode(
 ) -> torch.Tensor:
     """Stage 2 for one token at position seq_len - 1 (its K/V already stored):
     update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d]."""
-    d = kv_cache.shape[-1] // 2
-    block_size = kv_cache.shape[2]
+    d = k_cache.shape[-1]
+    block_size = k_cache.shape[2]
     pos = seq_len - 1
     page_lo = pos - pos % page_size
-    write_kt_pages(kv_cache, kt_cache, block_row, page_lo, seq_len, page_size)
+    write_kt_pages(k_cache, kt_cache, block_row, page_lo, seq_len, page_size)
 
     starts = view_page_starts(num_compact, tail_start, seq_len, page_size,
-                              kv_cache.device)
+                              k_cache.device)
     blocks, offsets = physical_slots(block_row, starts, block_size)
     kt = kt_cache[blocks, :, offsets // page_size]  # [P, Hkv, 2d]
     page_valid = torch.ones(starts.shape[0], dtype=torch.bool, device=starts.device)
@@ -235,6 +269,6 @@ def hsa_decode(
     slots = (starts[:, None] + torch.arange(page_size, device=starts.device)).flatten()
     region_end = torch.where(starts < tail_start, num_compact, seq_len)
     in_view = slots < region_end.repeat_interleave(page_size)
-    keys, values = gather_kv(kv_cache, block_row, slots.clamp_max(seq_len - 1))
+    keys, values = gather_kv(k_cache, v_cache, block_row, slots.clamp_max(seq_len - 1))
     token_mask = selected.repeat_interleave(page_size, dim=1) & in_view[None, :]
     return sparse_attention(query, keys, values, token_mask, scale).to(query.dtype)

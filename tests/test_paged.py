@@ -7,7 +7,8 @@ from rocketkv_vllm import paged
 from rocketkv_vllm.algorithm import hsa_select_pages, snapkv_keep_positions, sparse_attention
 
 
-def _make_request(n_tokens, hkv, d, bs, ps, num_blocks=64, seed=0, dtype=torch.float32):
+def _make_request(n_tokens, hkv, d, bs, ps, num_blocks=64, seed=0, dtype=torch.float32,
+                  layout="token"):
     g = torch.Generator().manual_seed(seed)
     kv_width = 2 * d
     pages = bs // ps
@@ -16,27 +17,30 @@ def _make_request(n_tokens, hkv, d, bs, ps, num_blocks=64, seed=0, dtype=torch.f
     kv_cache = torch.as_strided(storage, (num_blocks, hkv, bs, kv_width),
                                 (block_elems, bs * kv_width, kv_width, 1))
     kt_cache = paged.kt_cache_view(kv_cache, ps)
+    k_cache, v_cache = paged.split_kv(kv_cache, layout)
     blocks_needed = -(-n_tokens // bs) + 4
     block_row = torch.randperm(num_blocks - 1, generator=g)[:blocks_needed] + 1
     keys = torch.randn(n_tokens, hkv, d, generator=g).to(dtype)
     values = torch.randn(n_tokens, hkv, d, generator=g).to(dtype)
     slots = torch.arange(n_tokens)
     flat = block_row[slots // bs] * bs + slots % bs
-    paged.write_kv(kv_cache, keys, values, flat)
-    return kv_cache, kt_cache, block_row, keys, values
+    paged.write_kv(k_cache, v_cache, keys, values, flat)
+    return k_cache, v_cache, kt_cache, block_row, keys, values
 
 
-@pytest.mark.parametrize("n,hkv,g,d,bs,ps", [
-    (1000, 3, 3, 64, 16, 4),
-    (777, 2, 4, 128, 32, 8),
-    (513, 1, 1, 64, 16, 1),
+@pytest.mark.parametrize("n,hkv,g,d,bs,ps,layout", [
+    (1000, 3, 3, 64, 16, 4, "token"),
+    (1000, 3, 3, 64, 32, 4, "head_rows"),
+    (777, 2, 4, 128, 32, 8, "head_rows"),
+    (513, 1, 1, 64, 16, 1, "token"),
 ])
-def test_compress_then_decode_matches_unpaged(n, hkv, g, d, bs, ps):
-    kv, kt, row, keys, values = _make_request(n, hkv, d, bs, ps, seed=n)
+def test_compress_then_decode_matches_unpaged(n, hkv, g, d, bs, ps, layout):
+    kc, vc, kt, row, keys, values = _make_request(n, hkv, d, bs, ps, seed=n,
+                                                  layout=layout)
     w, budget, scale = 32, 200, d**-0.5
     q_win = torch.randn(w, hkv * g, d)
     tail_start = n // bs * bs
-    kept = paged.snapkv_compress(kv, kt, row, q_win, n, budget, tail_start, 63, ps, scale)
+    kept = paged.snapkv_compress(kc, vc, kt, row, q_win, n, budget, tail_start, 63, ps, scale)
     expected = snapkv_keep_positions(q_win, keys, scale, budget, 63, min(n - w, tail_start))
     assert torch.equal(kept, expected)
     num_compact = budget - (n - tail_start)
@@ -44,10 +48,10 @@ def test_compress_then_decode_matches_unpaged(n, hkv, g, d, bs, ps):
     # Compacted slots hold the kept tokens, the tail block is untouched.
     for h in range(hkv):
         src = kept[h, :num_compact]
-        got_k, got_v = paged.gather_kv(kv, row, torch.arange(num_compact))
+        got_k, got_v = paged.gather_kv(kc, vc, row, torch.arange(num_compact))
         assert torch.equal(got_k[:, h], keys[src, h])
         assert torch.equal(got_v[:, h], values[src, h])
-    tail_k, _ = paged.gather_kv(kv, row, torch.arange(tail_start, n))
+    tail_k, _ = paged.gather_kv(kc, vc, row, torch.arange(tail_start, n))
     assert torch.equal(tail_k, keys[tail_start:n])
 
     # Decode a few tokens; each must equal the same math on unpaged tensors.
@@ -57,13 +61,13 @@ def test_compress_then_decode_matches_unpaged(n, hkv, g, d, bs, ps):
     new_v = torch.randn(6, hkv, d)
     for step in range(6):
         pos = n + step
-        paged.write_kv(kv, new_k[step : step + 1], new_v[step : step + 1],
+        paged.write_kv(kc, vc, new_k[step : step + 1], new_v[step : step + 1],
                        (row[pos // bs] * bs + pos % bs).view(1))
         q = torch.randn(hkv * g, d)
         tail_keys = torch.cat([keys[tail_start:n], new_k[: step + 1]])
         tail_vals = torch.cat([values[tail_start:n], new_v[: step + 1]])
         for topk in (4 * ps, 10_000):
-            out = paged.hsa_decode(q, kv, kt, row, num_compact, tail_start, pos + 1,
+            out = paged.hsa_decode(q, kc, vc, kt, row, num_compact, tail_start, pos + 1,
                                    topk, 16, ps, scale)
             ref = _unpaged_hsa(q, view_k, view_v, tail_keys, tail_vals, ps, topk, 16, scale)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -101,10 +105,11 @@ def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale):
 
 def test_dense_attention_matches_sdpa_on_plain_tensors():
     n, hkv, g, d = 300, 3, 3, 64
-    kv, _, row, keys, values = _make_request(n, hkv, d, 16, 4, seed=5)
+    kc, vc, _, row, keys, values = _make_request(n, hkv, d, 32, 4, seed=5,
+                                                 layout="head_rows")
     q = torch.randn(40, hkv * g, d)
     positions = torch.arange(n - 40, n)
-    out = paged.dense_attention(q, positions, kv, row, n, d**-0.5, chunk=16)
+    out = paged.dense_attention(q, positions, kc, vc, row, n, d**-0.5, chunk=16)
     k = keys.repeat_interleave(g, dim=1).transpose(0, 1)
     v = values.repeat_interleave(g, dim=1).transpose(0, 1)
     mask = torch.arange(n)[None, :] <= positions[:, None]
