@@ -1,20 +1,28 @@
 """Stage 1 write-back: in-place compaction of kept tokens and KT page builds.
 
-``compact_kept_tokens`` -- per KV head h, move the K/V row of logical slot
-kept[h, j] to slot j (j < C), through the request's block table, in place.
+K and V come as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d]
+(last dim contiguous, block / head / slot strides arbitrary and passed per
+tensor), so the same kernels serve a per-token K|V layout, a per-head
+K-rows-then-V-rows layout and padded blocks; nothing outside the two views'
+rows is read or written.
+
+``compact_kept_tokens`` -- per KV head h, move the K and V rows of logical
+slot kept[h, j] to slot j (j < C), through the request's block table, in
+place.
 
 Why the in-place move is safe. ``kept[h]`` is strictly increasing with
-kept[h, j] >= j. Each program owns one KV head and one slice of the 2d K|V
-columns (no other program touches those bytes) and walks j upward in tiles
-of BLOCK_J rows:
+kept[h, j] >= j. Each program owns one KV head and one slice of the d
+columns of both K and V (no other program touches those bytes; K and V
+rows never overlap) and walks j upward in tiles of BLOCK_J rows:
   * tile t reads sources kept[h, j] >= j >= j0(t) and writes destinations
     j < j0(t+1); all earlier tiles wrote only slots < j0(t), so no source of
     tile t (or of any later tile) was overwritten before it is read -- this
     also holds if the compiler prefetches a later tile's loads early;
   * inside one tile a destination may be another row's source (e.g. kept =
-    [5, 6, ...] with tile rows 5, 6 moving down): every load of the tile is
-    issued before a CTA barrier (``tl.debug_barrier``, bar.sync, which
-    orders the CTA's global memory accesses) and every store after it.
+    [5, 6, ...] with tile rows 5, 6 moving down): every load (K and V) of
+    the tile is issued before a CTA barrier (``tl.debug_barrier``,
+    bar.sync, which orders the CTA's global memory accesses) and every
+    store after it.
   * rows with kept[h, j] == j are neither read nor written.
 Under the interpreter a tile's load completes before its store anyway.
 
@@ -30,19 +38,24 @@ import torch
 import triton
 import triton.language as tl
 
-from rocketkv_vllm.kernels._utils import cdiv, check_kv_cache, head_pad, next_pow2
+from rocketkv_vllm.kernels._utils import (
+    cache_strides,
+    cdiv,
+    check_kv_cache,
+    head_pad,
+    next_pow2,
+)
 
 
 @triton.jit
 def _compact_kernel(
-    kv_ptr, bt_ptr, kept_ptr, num_kept,
-    stride_kept, stride_kb, stride_kh, stride_ks,
-    BS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    k_ptr, v_ptr, bt_ptr, kept_ptr, num_kept, stride_kept,
+    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    BS: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = cols < WIDTH
+    c_ok = cols < D
     for j0 in range(0, num_kept, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         src = tl.load(kept_ptr + h * stride_kept + j, mask=j < num_kept, other=0)
@@ -51,22 +64,34 @@ def _compact_kernel(
         src_blk = tl.load(bt_ptr + src // BS, mask=move, other=0).to(tl.int64)
         dst_blk = tl.load(bt_ptr + j // BS, mask=move, other=0).to(tl.int64)
         mask = move[:, None] & c_ok[None, :]
-        rows = tl.load(
-            kv_ptr + src_blk[:, None] * stride_kb + h * stride_kh
-            + (src % BS)[:, None] * stride_ks + cols[None, :],
+        src_off = (src % BS)[:, None]
+        dst_off = (j % BS)[:, None]
+        k_rows = tl.load(
+            k_ptr + src_blk[:, None] * stride_kb + h * stride_kh
+            + src_off * stride_ks + cols[None, :],
+            mask=mask, other=0.0,
+        )
+        v_rows = tl.load(
+            v_ptr + src_blk[:, None] * stride_vb + h * stride_vh
+            + src_off * stride_vs + cols[None, :],
             mask=mask, other=0.0,
         )
         tl.debug_barrier()  # all of this tile's reads before any of its writes
         tl.store(
-            kv_ptr + dst_blk[:, None] * stride_kb + h * stride_kh
-            + (j % BS)[:, None] * stride_ks + cols[None, :],
-            rows, mask=mask,
+            k_ptr + dst_blk[:, None] * stride_kb + h * stride_kh
+            + dst_off * stride_ks + cols[None, :],
+            k_rows, mask=mask,
+        )
+        tl.store(
+            v_ptr + dst_blk[:, None] * stride_vb + h * stride_vh
+            + dst_off * stride_vs + cols[None, :],
+            v_rows, mask=mask,
         )
 
 
 @triton.jit
 def _kt_pages_kernel(
-    kv_ptr, kt_ptr, bt_ptr, lo, hi, num_pages,
+    k_ptr, kt_ptr, bt_ptr, lo, hi, num_pages,
     stride_kb, stride_kh, stride_ks, stride_tb, stride_th, stride_tp,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -79,7 +104,7 @@ def _kt_pages_kernel(
     start = lo + p * PS
     blk = tl.load(bt_ptr + start // BS, mask=p_ok, other=0).to(tl.int64)
     off = start % BS
-    base = kv_ptr + blk[:, None] * stride_kb + h * stride_kh + d[None, :]
+    base = k_ptr + blk[:, None] * stride_kb + h * stride_kh + d[None, :]
     kmin = tl.full([BLOCK_P, D_PAD], float("inf"), tl.float32)
     kmax = tl.full([BLOCK_P, D_PAD], float("-inf"), tl.float32)
     for i in tl.static_range(PS):
@@ -96,32 +121,36 @@ def _kt_pages_kernel(
 
 
 def compact_kept_tokens(
-    kv_cache: torch.Tensor, block_row: torch.Tensor, kept: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    kept: torch.Tensor,
 ) -> None:
-    """Move head h's K/V at logical slot kept[h, j] to slot j, in place.
+    """Move head h's K and V at logical slot kept[h, j] to slot j, in place.
 
-    kept: [Hkv, C] integer, each row strictly increasing (so kept[h, j] >= j).
+    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (last dim contiguous,
+    other strides arbitrary); kept: [Hkv, C] integer, each row strictly
+    increasing (so kept[h, j] >= j).
     """
-    hkv, bs, d = check_kv_cache(kv_cache)
+    hkv, bs, d = check_kv_cache(k_cache, v_cache)
     assert kept.dim() == 2 and kept.shape[0] == hkv
     count = kept.shape[1]
     if count == 0:
         return
     kept = kept.contiguous()
     block_row = block_row.contiguous()
-    width = 2 * d
-    block_c = min(128, next_pow2(width))
+    block_c = min(64, next_pow2(d))  # a K tile and a V tile per program
     block_j = 32
-    _compact_kernel[(hkv, cdiv(width, block_c))](
-        kv_cache, block_row, kept, count,
-        kept.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        BS=bs, WIDTH=width, BLOCK_J=block_j, BLOCK_C=block_c,
+    _compact_kernel[(hkv, cdiv(d, block_c))](
+        k_cache, v_cache, block_row, kept, count, kept.stride(0),
+        *cache_strides(k_cache), *cache_strides(v_cache),
+        BS=bs, D=d, BLOCK_J=block_j, BLOCK_C=block_c,
         num_warps=4, num_stages=1,
     )
 
 
 def write_kt_pages(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_row: torch.Tensor,
     lo: int,
@@ -130,19 +159,19 @@ def write_kt_pages(
 ) -> None:
     """Recompute the KT pages covering logical slots [lo, hi) from the keys
     in [lo, hi) only (lo page aligned); same semantics as
-    ``paged.write_kt_pages``."""
+    ``paged.write_kt_pages``. k_cache: [num_blocks, Hkv, bs, d] view."""
     lo, hi = int(lo), int(hi)
     if hi <= lo:
         return
     assert lo % page_size == 0
-    hkv, bs, d = check_kv_cache(kv_cache)
+    hkv, bs, d = check_kv_cache(k_cache)
     assert bs % page_size == 0 and kt_cache.stride(-1) == 1
-    assert kt_cache.shape[2] == bs // page_size
+    assert kt_cache.shape[2] == bs // page_size and kt_cache.shape[3] == 2 * d
     num_pages = cdiv(hi - lo, page_size)
     block_p = 16
     _kt_pages_kernel[(hkv, cdiv(num_pages, block_p))](
-        kv_cache, kt_cache, block_row.contiguous(), lo, hi, num_pages,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        k_cache, kt_cache, block_row.contiguous(), lo, hi, num_pages,
+        *cache_strides(k_cache),
         kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
         D=d, D_PAD=head_pad(d), BS=bs, PS=page_size, BLOCK_P=block_p,
         num_warps=4,

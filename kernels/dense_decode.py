@@ -9,8 +9,11 @@ head (two tensor-core dots per tile), then ``_merge_splits_kernel`` when
 S > 1. The splits are sized from the Python int ``max_seq_len`` (an engine
 constant, e.g. max_model_len), so the launch is CUDA-graph capturable.
 
-vLLM's own ``triton_decode_attention`` expects separate K and V buffers, not
-this [num_blocks, Hkv, bs, 2d] K|V layout, hence this kernel.
+K and V are read through two [num_blocks, Hkv, bs, d] views with their own
+block / head / slot strides (any layout that shares the cache with vLLM's
+attention backends: per-token K|V, per-head K rows then V rows, padded
+blocks); this kernel keeps the dense baseline on exactly the cache access
+path of the sparse one.
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from rocketkv_vllm.kernels._utils import cdiv, dot_upcast, group_pad, head_pad, row_vectors
+from rocketkv_vllm.kernels._utils import (
+    cache_strides,
+    cdiv,
+    dot_upcast,
+    group_pad,
+    head_pad,
+    row_vectors,
+)
 from rocketkv_vllm.kernels.sparse_decode import (
     _attend_tile,
+    _load_kv,
     _load_q,
     _prepare,
     _store_result,
@@ -34,10 +45,10 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _dense_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, out_ptr,
     num_kv_heads, num_splits, tiles_per_split, scale_log2,
     stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks,
-    stride_ob, stride_oh,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DIRECT: tl.constexpr,
@@ -60,10 +71,8 @@ def _dense_decode_kernel(
         slot = n0 + tl.arange(0, BLOCK_N)
         ok = slot < hi
         blk = tl.load(row_bt + slot // BS, mask=ok, other=0).to(tl.int64)
-        addr = kv_ptr + blk * stride_kb + h * stride_kh + (slot % BS) * stride_ks
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(addr[:, None] + D + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, blk, h, slot % BS, ok, d, d_ok,
+                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
                   stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
@@ -71,7 +80,8 @@ def _dense_decode_kernel(
 
 def dense_decode(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
@@ -81,8 +91,9 @@ def dense_decode(
     block_n: int = 64,
 ) -> torch.Tensor:
     """Decode attention of query [B, Hq, d] over slots [0, seq_lens[b]) of
-    each row (max_seq_len: a Python int >= every seq_lens[b])."""
-    query, out, hkv, bs, d, group = _prepare(query, kv_cache, out)
+    each row (max_seq_len: a Python int >= every seq_lens[b]); k_cache,
+    v_cache: [num_blocks, Hkv, bs, d] views (last dim contiguous)."""
+    query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
     batch = query.shape[0]
     assert block_table.stride(-1) == 1
     if batch == 0:
@@ -99,14 +110,14 @@ def dense_decode(
         lse_part = torch.empty(batch * hkv * splits * group, device=query.device,
                                dtype=torch.float32)
     _dense_decode_kernel[(batch * hkv, splits)](
-        query, kv_cache, block_table, seq_lens, o_part, lse_part, out,
+        query, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, out,
         hkv, splits, tiles_per_split, float(scale) * _LOG2E,
         query.stride(0), query.stride(1), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        *cache_strides(k_cache), *cache_strides(v_cache),
         out.stride(0), out.stride(1),
         G=group, G_PAD=group_pad(group), D=d, D_PAD=head_pad(d), BS=bs,
         BLOCK_N=block_n,
-        UPCAST=dot_upcast(kv_cache.dtype), DIRECT=direct,
+        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct,
         num_warps=4, num_stages=2,
     )
     if not direct:

@@ -3,10 +3,13 @@
 Each decode row b has its new token at logical slot pos = seq_lens[b] - 1.
 The KT page holding pos is recomputed from the keys of slots
 [page_start, pos] (page_start = pos - pos % page_size), exactly like
-``paged.write_kt_pages(kv, kt, row, page_start, seq_len, page_size)`` in
-``paged.hsa_decode``. Grid (B, Hkv): one program loads page_size x d keys
+``paged.write_kt_pages(k_cache, kt, row, page_start, seq_len, page_size)``
+in ``paged.hsa_decode``. Grid (B, Hkv): one program loads page_size x d keys
 and writes 2d min/max values. Rows with seq_lens[b] <= 0 (CUDA-graph padding)
 do nothing.
+
+K is read (and K/V written) through the views ``k_cache`` / ``v_cache``
+[num_blocks, Hkv, bs, d] with their own strides (last dim contiguous).
 
 ``write_kv_and_kt`` fuses the store of the new token's K/V into the same
 program: it writes K/V at pos and folds the new key (from registers) into
@@ -26,14 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from rocketkv_vllm.kernels._utils import check_kv_cache, head_pad, next_pow2, row_vectors
+from rocketkv_vllm.kernels._utils import (
+    cache_strides,
+    check_kv_cache,
+    head_pad,
+    next_pow2,
+    row_vectors,
+)
 
 
 @triton.jit
 def _kt_update_kernel(
-    kv_ptr, kt_ptr, bt_ptr, seq_ptr, knew_ptr, vnew_ptr,
-    stride_bt, stride_kb, stride_kh, stride_ks, stride_tb, stride_th, stride_tp,
-    stride_nb, stride_nh,
+    k_ptr, v_ptr, kt_ptr, bt_ptr, seq_ptr, knew_ptr, vnew_ptr,
+    stride_bt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_tb, stride_th, stride_tp, stride_nb, stride_nh,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     PS_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
@@ -47,14 +56,15 @@ def _kt_update_kernel(
         page_lo = pos - pos % PS
         blk = tl.load(bt_ptr + b * stride_bt + page_lo // BS).to(tl.int64)
         off = page_lo % BS
-        base = kv_ptr + blk * stride_kb + h * stride_kh
+        base = k_ptr + blk * stride_kb + h * stride_kh
         i = tl.arange(0, PS_PAD)
         if WRITE_KV:
             kn = tl.load(knew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
             vn = tl.load(vnew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
-            dst = base + (pos % BS) * stride_ks + d
-            tl.store(dst, kn.to(kv_ptr.dtype.element_ty), mask=d_ok)
-            tl.store(dst + D, vn.to(kv_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(base + (pos % BS) * stride_ks + d, kn.to(k_ptr.dtype.element_ty),
+                     mask=d_ok)
+            v_dst = v_ptr + blk * stride_vb + h * stride_vh + (pos % BS) * stride_vs + d
+            tl.store(v_dst, vn.to(v_ptr.dtype.element_ty), mask=d_ok)
             ok = (i < PS) & ((page_lo + i) < pos)  # the new slot: from registers
         else:
             ok = (i < PS) & ((page_lo + i) < seq)
@@ -64,7 +74,7 @@ def _kt_update_kernel(
         kmin = tl.min(tl.where(mask, k, float("inf")), 0)
         kmax = tl.max(tl.where(mask, k, float("-inf")), 0)
         if WRITE_KV:
-            knf = kn.to(kv_ptr.dtype.element_ty).to(tl.float32)
+            knf = kn.to(k_ptr.dtype.element_ty).to(tl.float32)
             kmin = tl.minimum(kmin, knf)
             kmax = tl.maximum(kmax, knf)
         out = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp + d
@@ -72,10 +82,10 @@ def _kt_update_kernel(
         tl.store(out + D, kmax.to(kt_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _launch(kv_cache, kt_cache, block_table, seq_lens, page_size, key, value):
-    hkv, bs, d = check_kv_cache(kv_cache)
+def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, value):
+    hkv, bs, d = check_kv_cache(k_cache, v_cache)
     assert bs % page_size == 0 and kt_cache.stride(-1) == 1
-    assert kt_cache.shape[2] == bs // page_size
+    assert kt_cache.shape[2] == bs // page_size and kt_cache.shape[3] == 2 * d
     assert block_table.stride(-1) == 1
     (seq_lens,) = row_vectors(seq_lens)
     batch = seq_lens.shape[0]
@@ -87,12 +97,11 @@ def _launch(kv_cache, kt_cache, block_table, seq_lens, page_size, key, value):
         assert key.stride() == value.stride() and key.stride(-1) == 1
         stride_nb, stride_nh = key.stride(0), key.stride(1)
     else:
-        key = value = kv_cache  # unused pointers
+        v_cache = key = value = k_cache  # unused pointers
         stride_nb = stride_nh = 0
     _kt_update_kernel[(batch, hkv)](
-        kv_cache, kt_cache, block_table, seq_lens, key, value,
-        block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        k_cache, v_cache, kt_cache, block_table, seq_lens, key, value,
+        block_table.stride(0), *cache_strides(k_cache), *cache_strides(v_cache),
         kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
         stride_nb, stride_nh,
         D=d, D_PAD=head_pad(d), BS=bs, PS=page_size, PS_PAD=max(2, next_pow2(page_size)),
@@ -102,27 +111,29 @@ def _launch(kv_cache, kt_cache, block_table, seq_lens, page_size, key, value):
 
 
 def kt_update(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
 ) -> None:
-    """Refresh the KT page of each row's newest token (already stored in the
-    cache at slot seq_lens[b] - 1). block_table [B, max_blocks] int32,
-    seq_lens [B] integer, both on the cache's device."""
-    _launch(kv_cache, kt_cache, block_table, seq_lens, page_size, None, None)
+    """Refresh the KT page of each row's newest token (its key already
+    stored in ``k_cache`` [num_blocks, Hkv, bs, d] at slot seq_lens[b] - 1).
+    block_table [B, max_blocks] int32, seq_lens [B] integer, both on the
+    cache's device."""
+    _launch(k_cache, None, kt_cache, block_table, seq_lens, page_size, None, None)
 
 
 def write_kv_and_kt(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
+    key: torch.Tensor,
+    value: torch.Tensor,
 ) -> None:
     """Store each row's new token K/V ([B, Hkv, d]) at slot seq_lens[b] - 1
-    and refresh its KT page, in one launch."""
-    _launch(kv_cache, kt_cache, block_table, seq_lens, page_size, key, value)
+    of ``k_cache`` / ``v_cache`` and refresh its KT page, in one launch."""
+    _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, value)

@@ -6,7 +6,10 @@ indices of the row's view (as ``hsa_score.select_pages`` returns them; order
 does not matter); row b uses its first n_use[b] = min(max(topk[b] // ps, 1), P[b],
 n_sel) entries. Tokens of a page past the end of its region (num_compact
 for compact pages, seq_len for tail pages) are masked, so nothing outside
-the view is ever read.
+the view is ever read. K and V are read through two views ``k_cache``,
+``v_cache`` [num_blocks, Hkv, bs, d] (last dim contiguous), each with its own
+block / head / slot strides, so any K/V placement inside a (padded) block
+works.
 
 Flash-decoding structure:
 * ``_sparse_decode_kernel`` grid (B*Hkv, S): split s takes a fixed run of
@@ -29,6 +32,7 @@ import triton
 import triton.language as tl
 
 from rocketkv_vllm.kernels._utils import (
+    cache_strides,
     cdiv,
     check_kv_cache,
     dot_upcast,
@@ -91,12 +95,25 @@ def _load_q(q_ptr, b, h, stride_qb, stride_qh, G: tl.constexpr, G_PAD: tl.conste
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, blk, h, off, ok, d, d_ok,
+             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs):
+    """K and V tiles [N, D_PAD] of head h at (block blk, offset off) per
+    token, each through its own strides; tokens with ok == False read 0."""
+    mask = ok[:, None] & d_ok[None, :]
+    k_row = k_ptr + blk * stride_kb + h * stride_kh + off * stride_ks
+    v_row = v_ptr + blk * stride_vb + h * stride_vh + off * stride_vs
+    k = tl.load(k_row[:, None] + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_row[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _sparse_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
     o_ptr, lse_ptr, out_ptr,
     num_kv_heads, num_sel, num_splits, tiles_per_split, scale_log2,
     stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks,
-    stride_ob, stride_oh,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, PS: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
     UPCAST: tl.constexpr, DIRECT: tl.constexpr,
@@ -132,10 +149,8 @@ def _sparse_decode_kernel(
         slot = start + to
         ok = e_ok & (slot < end)
         blk = tl.load(row_bt + start // BS, mask=ok, other=0).to(tl.int64)
-        addr = kv_ptr + blk * stride_kb + h * stride_kh + (slot % BS) * stride_ks
-        kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(addr[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(addr[:, None] + D + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, blk, h, slot % BS, ok, d, d_ok,
+                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
                   stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
@@ -188,12 +203,12 @@ def merge_splits(o_part, lse_part, out, num_splits, group, d):
     )
 
 
-def _prepare(query, kv_cache, out):
-    hkv, bs, d = check_kv_cache(kv_cache)
+def _prepare(query, k_cache, v_cache, out):
+    hkv, bs, d = check_kv_cache(k_cache, v_cache)
     batch, hq, dq = query.shape
     assert dq == d and hq % hkv == 0
-    if query.dtype != kv_cache.dtype:
-        query = query.to(kv_cache.dtype)
+    if query.dtype != k_cache.dtype:
+        query = query.to(k_cache.dtype)
     if query.stride(-1) != 1:
         query = query.contiguous()
     if out is None:
@@ -204,7 +219,8 @@ def _prepare(query, kv_cache, out):
 
 def sparse_decode(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     block_table: torch.Tensor,
     sel: torch.Tensor,
     num_compact: torch.Tensor,
@@ -222,9 +238,10 @@ def sparse_decode(
     sel [B, Hkv, n_sel] integer page indices of the row's view (row b uses
     its first min(max(topk[b] // page_size, 1), P[b], n_sel)); per-row
     scalars are device integer tensors [B]; block_table [B, max_blocks].
+    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (last dim contiguous).
     Returns ``out`` [B, Hq, d] (allocated in the cache dtype if not given).
     """
-    query, out, hkv, bs, d, group = _prepare(query, kv_cache, out)
+    query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
     batch = query.shape[0]
     assert sel.shape[:2] == (batch, hkv) and sel.stride(-1) == 1
     assert block_table.stride(-1) == 1 and bs % page_size == 0
@@ -247,15 +264,15 @@ def sparse_decode(
         lse_part = torch.empty(batch * hkv * splits * group, device=query.device,
                                dtype=torch.float32)
     _sparse_decode_kernel[(batch * hkv, splits)](
-        query, kv_cache, block_table, sel, num_compact, tail_start, seq_lens, topk,
-        o_part, lse_part, out,
+        query, k_cache, v_cache, block_table, sel, num_compact, tail_start, seq_lens,
+        topk, o_part, lse_part, out,
         hkv, num_sel, splits, tiles_per_split, float(scale) * _LOG2E,
         query.stride(0), query.stride(1), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        *cache_strides(k_cache), *cache_strides(v_cache),
         out.stride(0), out.stride(1),
         G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
         PAGES_PER_TILE=pages_per_tile,
-        UPCAST=dot_upcast(kv_cache.dtype), DIRECT=direct,
+        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct,
         num_warps=4, num_stages=2,
     )
     if not direct:

@@ -6,7 +6,9 @@ cache; the probabilities are summed over the window queries and over the GQA
 group of each KV head, and the window columns are dropped:
 ``scores [Hkv, N - w]`` fp32 (``algorithm.snapkv.window_attention_scores``).
 
-Two passes, both over key tiles gathered through ``block_row``:
+Only keys are read, through ``k_cache`` [num_blocks, Hkv, bs, d] (last dim
+contiguous, block / head / slot strides arbitrary). Two passes, both over
+key tiles gathered through ``block_row``:
 
 1. ``_window_stats_kernel`` -- grid (Hkv, row blocks, key chunks): for its
    BLOCK_M score rows (row = window query i * G + group member g) the online
@@ -28,14 +30,21 @@ import torch
 import triton
 import triton.language as tl
 
-from rocketkv_vllm.kernels._utils import cdiv, check_kv_cache, dot_upcast, head_pad, mma
+from rocketkv_vllm.kernels._utils import (
+    cache_strides,
+    cdiv,
+    check_kv_cache,
+    dot_upcast,
+    head_pad,
+    mma,
+)
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _window_stats_kernel(
-    q_ptr, kv_ptr, bt_ptr, m_ptr, l_ptr,
+    q_ptr, k_ptr, bt_ptr, m_ptr, l_ptr,
     n_tokens, num_rows, num_rows_pad, num_chunks, scale_log2,
     stride_qw, stride_qh, stride_kb, stride_kh, stride_ks,
     W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -66,7 +75,7 @@ def _window_stats_kernel(
         k_ok = keys < hi
         blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
         k = tl.load(
-            kv_ptr + blk[:, None] * stride_kb + h * stride_kh
+            k_ptr + blk[:, None] * stride_kb + h * stride_kh
             + (keys % BS)[:, None] * stride_ks + d[None, :],
             mask=k_ok[:, None] & d_ok[None, :], other=0.0,
         )
@@ -84,7 +93,7 @@ def _window_stats_kernel(
 
 @triton.jit
 def _window_colsum_kernel(
-    q_ptr, kv_ptr, bt_ptr, lse_ptr, out_ptr,
+    q_ptr, k_ptr, bt_ptr, lse_ptr, out_ptr,
     num_cols, num_rows, num_rows_pad, scale_log2,
     stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
@@ -97,7 +106,7 @@ def _window_colsum_kernel(
     d_ok = d < D
     blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
     k = tl.load(
-        kv_ptr + blk[:, None] * stride_kb + h * stride_kh
+        k_ptr + blk[:, None] * stride_kb + h * stride_kh
         + (keys % BS)[:, None] * stride_ks + d[None, :],
         mask=k_ok[:, None] & d_ok[None, :], other=0.0,
     )
@@ -121,7 +130,7 @@ def _window_colsum_kernel(
 
 def window_scores(
     q_win: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
     block_row: torch.Tensor,
     num_prompt_tokens: int,
     scale: float,
@@ -130,16 +139,17 @@ def window_scores(
     """Window attention mass of the prompt keys: [Hkv, N - w] fp32.
 
     q_win: [w, Hq, d] (queries of prompt positions N-w .. N-1, RoPE applied),
-    kv_cache: [num_blocks, Hkv, bs, 2d] view, block_row: the request's block
-    table row (int32/int64), N = num_prompt_tokens >= w.
+    k_cache: [num_blocks, Hkv, bs, d] key view (last dim contiguous, other
+    strides arbitrary), block_row: the request's block table row
+    (int32/int64), N = num_prompt_tokens >= w.
     """
-    hkv, bs, d = check_kv_cache(kv_cache)
+    hkv, bs, d = check_kv_cache(k_cache)
     w, hq, dq = q_win.shape
     assert dq == d and hq % hkv == 0
     n = int(num_prompt_tokens)
     assert n >= w
     group = hq // hkv
-    if q_win.dtype != kv_cache.dtype:
+    if q_win.dtype != k_cache.dtype:
         q_win = q_win.float()  # the kernel casts keys to the query dtype
     if q_win.stride(-1) != 1:
         q_win = q_win.contiguous()
@@ -155,16 +165,15 @@ def window_scores(
     num_chunks = cdiv(n, chunk)
     scale_log2 = float(scale) * _LOG2E
     upcast = dot_upcast(q_win.dtype)
-    dev = kv_cache.device
+    dev = k_cache.device
 
     part_m = torch.empty(hkv, num_chunks, rows_pad, device=dev, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     # Rows past num_rows are never written and never read.
     _window_stats_kernel[(hkv, rows_pad // block_m, num_chunks)](
-        q_win, kv_cache, block_row, part_m, part_l,
+        q_win, k_cache, block_row, part_m, part_l,
         n, num_rows, rows_pad, num_chunks, scale_log2,
-        q_win.stride(0), q_win.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q_win.stride(0), q_win.stride(1), *cache_strides(k_cache),
         W=w, G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         CHUNK=chunk, UPCAST=upcast, num_warps=4,
     )
@@ -175,10 +184,9 @@ def window_scores(
     out = torch.empty(hkv, num_cols, device=dev, dtype=torch.float32)
     if num_cols > 0:
         _window_colsum_kernel[(hkv, cdiv(num_cols, block_n))](
-            q_win, kv_cache, block_row, lse.contiguous(), out,
+            q_win, k_cache, block_row, lse.contiguous(), out,
             num_cols, num_rows, rows_pad, scale_log2,
-            q_win.stride(0), q_win.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), out.stride(0),
+            q_win.stride(0), q_win.stride(1), *cache_strides(k_cache), out.stride(0),
             G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
             UPCAST=upcast, num_warps=4,
         )
@@ -187,14 +195,14 @@ def window_scores(
 
 def pooled_window_scores(
     q_win: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
     block_row: torch.Tensor,
     num_prompt_tokens: int,
     scale: float,
     kernel_size: int,
 ) -> torch.Tensor:
     """window_scores followed by the stride-1 same-length 1-D max-pool."""
-    scores = window_scores(q_win, kv_cache, block_row, num_prompt_tokens, scale)
+    scores = window_scores(q_win, k_cache, block_row, num_prompt_tokens, scale)
     return torch.nn.functional.max_pool1d(
         scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
     )[:, 0, :]

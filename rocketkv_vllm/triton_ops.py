@@ -1,7 +1,10 @@
 """RocketKV on the paged cache with the Triton kernels (``rocketkv_vllm.kernels``).
 
 Same layout and semantics as ``rocketkv_vllm.paged`` (the oracle), but
-batched for decode and free of host synchronisation there:
+batched for decode and free of host synchronisation there. The KV cache is
+passed as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (last
+dim contiguous, other strides arbitrary; ``paged.split_kv`` makes them from
+a vLLM cache), the KT cache as ``kt_cache`` (``paged.kt_cache_view``):
 
 * ``hsa_decode_batch`` -- one decode token per row, all rows at once. Launch
   sequence (everything on the current stream, grids from Python ints only):
@@ -59,7 +62,7 @@ __all__ = [
 
 
 def snapkv_keep_positions(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
     block_row: torch.Tensor,
     q_window: torch.Tensor,
     num_prompt_tokens: int,
@@ -71,13 +74,14 @@ def snapkv_keep_positions(
     """``algorithm.snapkv_keep_positions`` on the paged prompt keys:
     kept positions [Hkv, prompt_budget] int64, each row sorted."""
     n = int(num_prompt_tokens)
-    scores = window_scores(q_window, kv_cache, block_row, n, scale)
+    scores = window_scores(q_window, k_cache, block_row, n, scale)
     return keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
                                       protect_from)
 
 
 def snapkv_compress(
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_row: torch.Tensor,
     q_window: torch.Tensor,
@@ -95,19 +99,20 @@ def snapkv_compress(
     n = int(num_prompt_tokens)
     window = q_window.shape[0]
     kept = snapkv_keep_positions(
-        kv_cache, block_row, q_window, n, prompt_budget, kernel_size,
+        k_cache, block_row, q_window, n, prompt_budget, kernel_size,
         min(n - window, tail_start), scale,
     )
     num_compact = prompt_budget - (n - tail_start)
-    compact_kept_tokens(kv_cache, block_row, kept[:, :num_compact])
-    write_kt_pages(kv_cache, kt_cache, block_row, 0, num_compact, page_size)
-    write_kt_pages(kv_cache, kt_cache, block_row, tail_start, n, page_size)
+    compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
+    write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
+    write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
     return kept
 
 
 def hsa_decode_batch(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_table: torch.Tensor,
     num_compact: torch.Tensor,
@@ -129,6 +134,8 @@ def hsa_decode_batch(
     attention. Returns out [B, Hq, d].
 
     query [B, Hq, d] (last dim contiguous; cast to the cache dtype);
+    k_cache, v_cache [num_blocks, Hkv, bs, d] views (last dim contiguous,
+    other strides arbitrary: see ``kernels``);
     block_table [B, max_blocks] int32 (last dim contiguous); num_compact,
     tail_start, seq_lens, topk, topr: [B] integer tensors on the device.
     max_pages (Python int) >= every row's view page count
@@ -139,18 +146,19 @@ def hsa_decode_batch(
     torch.topk), "triton" or "torch".
     """
     if update_kt:
-        kt_update(kv_cache, kt_cache, block_table, seq_lens, page_size)
+        kt_update(k_cache, kt_cache, block_table, seq_lens, page_size)
     probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
                            seq_lens, topr, page_size, max_pages, force_current_page)
     sel = select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
                        page_size, select_impl)
-    return sparse_decode(query, kv_cache, block_table, sel, num_compact, tail_start,
+    return sparse_decode(query, k_cache, v_cache, block_table, sel, num_compact, tail_start,
                          seq_lens, topk, page_size, scale, out=out)
 
 
 def hsa_decode_batch_reference(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     block_table: torch.Tensor,
     num_compact: torch.Tensor,
@@ -172,7 +180,7 @@ def hsa_decode_batch_reference(
         if seq <= 0:
             continue
         out[b] = paged.hsa_decode(
-            query[b], kv_cache, kt_cache, block_table[b], int(num_compact[b]),
+            query[b], k_cache, v_cache, kt_cache, block_table[b], int(num_compact[b]),
             int(tail_start[b]), seq, int(topk[b]), int(topr[b]), page_size,
             scale, force_current_page,
         )

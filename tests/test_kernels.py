@@ -6,6 +6,10 @@ Without a GPU the kernels run on CPU tensors in Triton's interpreter
 TRITON_INTERPRET unset) the same tests run compiled on CUDA tensors.
 Shapes are small: the interpreter is slow and CI has 2 cores.
 
+The caches are padded blocks (KT pages, then NaN guard elements that must
+stay untouched) in several K/V layouts (see ``Cache``); each test case uses
+one layout, so the layouts are spread over the cases rather than multiplied.
+
 Runs under pytest, or as ``python tests/test_kernels.py`` where pytest is
 not installed (a minimal runner below walks the same parameter lists).
 
@@ -76,29 +80,63 @@ def parametrize(names: str, cases: list):
 
 
 # --------------------------------------------------------------------------
-# Paged cache with the KT padding after each block (as the ROCKETKV spec lays
-# it out); block 0 is never handed out, so a zero-padded block table points
-# at NaNs.
+# Paged cache shared with vLLM's attention backend: one [num_blocks, Hkv, bs,
+# 2d] kv_cache per layer whose K/V placement depends on the layout, handed to
+# the kernels as two views k_cache / v_cache [num_blocks, Hkv, bs, d]:
+#   "token"     K|V on the last dim of each token (FLASH_ATTN, TRITON_ATTN);
+#   "head_rows" each head's block is [2 * bs, d], K rows then V rows (CPU_ATTN);
+#   "split"     (test only, for strides the two above lack) all of a block's
+#               K first, head-major [Hkv, bs, d], then all its V, slot-major
+#               [bs, Hkv, d]: K and V strides differ.
+# Each block is padded: its KT pages, then GUARD elements nothing may read
+# or write. Everything starts NaN; block 0 is never handed out, so a
+# zero-padded block table points at NaNs.
+
+LAYOUTS = ("token", "head_rows", "split")
+
 
 class Cache:
-    def __init__(self, num_blocks, hkv, d, bs, ps, dtype, device=DEVICE):
+    GUARD = 40  # extra NaN elements at the end of every block
+
+    def __init__(self, num_blocks, hkv, d, bs, ps, dtype, layout="token", device=DEVICE):
+        assert layout in LAYOUTS
         width = 2 * d
-        block_elems = hkv * bs * width + hkv * (bs // ps) * width
-        self.storage = torch.full((num_blocks * block_elems,), float("nan"),
+        self.data_elems = hkv * bs * width + hkv * (bs // ps) * width
+        self.block_elems = self.data_elems + self.GUARD
+        self.storage = torch.full((num_blocks * self.block_elems,), float("nan"),
                                   dtype=dtype, device=device)
-        self.kv = torch.as_strided(self.storage, (num_blocks, hkv, bs, width),
-                                   (block_elems, bs * width, width, 1))
-        self.kt = paged.kt_cache_view(self.kv, ps)
         self.hkv, self.d, self.bs, self.ps, self.dtype = hkv, d, bs, ps, dtype
+        self.layout = layout
+        self._views()
         self.free = list(torch.randperm(num_blocks - 1).add(1).tolist())
+
+    def _views(self):
+        hkv, bs, width = self.hkv, self.bs, 2 * self.d
+        num_blocks = self.storage.numel() // self.block_elems
+        self.kv = torch.as_strided(self.storage, (num_blocks, hkv, bs, width),
+                                   (self.block_elems, bs * width, width, 1))
+        if self.layout == "split":
+            d = self.d
+            shape = (num_blocks, hkv, bs, d)
+            self.k = torch.as_strided(self.storage, shape, (self.block_elems, bs * d, d, 1))
+            self.v = torch.as_strided(self.storage, shape, (self.block_elems, d, hkv * d, 1),
+                                      hkv * bs * d)
+        else:
+            self.k, self.v = paged.split_kv(self.kv, self.layout)
+        assert self.k.stride(0) > self.k[0].numel() * 2  # padded blocks
+        self.kt = paged.kt_cache_view(self.kv, self.ps)
 
     def clone(self) -> "Cache":
         other = object.__new__(Cache)
         other.__dict__.update(self.__dict__)
         other.storage = self.storage.clone()
-        other.kv = torch.as_strided(other.storage, self.kv.shape, self.kv.stride())
-        other.kt = paged.kt_cache_view(other.kv, self.ps)
+        other._views()
         return other
+
+    def check_guard(self):
+        """The padding past each block's KV and KT data is untouched."""
+        guard = self.storage.view(-1, self.block_elems)[:, self.data_elems:]
+        assert bool(guard.isnan().all()), "a kernel wrote into the block padding"
 
     def new_row(self, num_blocks: int) -> torch.Tensor:
         taken, self.free = self.free[:num_blocks], self.free[num_blocks:]
@@ -112,7 +150,7 @@ class Cache:
         v = torch.randn(n, self.hkv, self.d, generator=gen).to(self.dtype)
         slots = torch.arange(lo, hi, device=row.device)
         flat = row[slots // self.bs].long() * self.bs + slots % self.bs
-        paged.write_kv(self.kv, k.to(row.device), v.to(row.device), flat)
+        paged.write_kv(self.k, self.v, k.to(row.device), v.to(row.device), flat)
 
     def poison(self, row, slots):
         """NaN into logical slots (all heads) of a request."""
@@ -120,7 +158,8 @@ class Cache:
             return
         slots = torch.as_tensor(slots, device=row.device)
         blocks, offsets = paged.physical_slots(row, slots, self.bs)
-        self.kv[blocks, :, offsets, :] = float("nan")
+        self.k[blocks, :, offsets] = float("nan")
+        self.v[blocks, :, offsets] = float("nan")
 
     def poison_pages(self, row, starts):
         if len(starts) == 0:
@@ -147,6 +186,7 @@ def _close(a, b, dtype, msg=""):
 
 
 def _same_storage(a: Cache, b: Cache):
+    a.check_guard()
     assert torch.equal(a.storage.isnan(), b.storage.isnan())
     torch.testing.assert_close(a.storage.cpu(), b.storage.cpu(), atol=0, rtol=0,
                                equal_nan=True)
@@ -155,22 +195,23 @@ def _same_storage(a: Cache, b: Cache):
 # --------------------------------------------------------------------------
 # Stage 1 kernels
 
-@parametrize("n,hkv,g,d,bs,w,dtype,chunk", [
-    (300, 3, 3, 64, 16, 16, F32, 128),
-    (200, 2, 4, 128, 32, 16, BF16, None),
-    (150, 1, 8, 64, 16, 8, F32, 64),
-    (180, 2, 1, 64, 32, 32, BF16, None),
+@parametrize("n,hkv,g,d,bs,w,dtype,chunk,layout", [
+    (300, 3, 3, 64, 16, 16, F32, 128, "token"),
+    (200, 2, 4, 128, 32, 16, BF16, None, "head_rows"),
+    (150, 1, 8, 64, 16, 8, F32, 64, "head_rows"),
+    (180, 2, 1, 64, 32, 32, BF16, None, "split"),
 ])
-def test_window_scores(n, hkv, g, d, bs, w, dtype, chunk):
+def test_window_scores(n, hkv, g, d, bs, w, dtype, chunk, layout):
     gen = torch.Generator().manual_seed(n)
-    c = Cache(n // bs + 4, hkv, d, bs, 4, dtype)
+    c = Cache(n // bs + 4, hkv, d, bs, 4, dtype, layout)
     row = c.new_row(-(-n // bs))
     c.fill(row, 0, n, gen)
     q = torch.randn(w, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
-    got = window_scores(q, c.kv, row, n, d**-0.5, chunk=chunk)
-    keys, _ = paged.gather_kv(c.kv, row, torch.arange(n, device=DEVICE))
+    got = window_scores(q, c.k, row, n, d**-0.5, chunk=chunk)
+    keys, _ = paged.gather_kv(c.k, c.v, row, torch.arange(n, device=DEVICE))
     ref = window_attention_scores(q, keys, d**-0.5)
     assert got.shape == (hkv, n - w) and got.dtype == torch.float32
+    assert bool(got.isfinite().all())
     # Both sides compute in fp32 from the same stored values.
     torch.testing.assert_close(got.cpu(), ref.cpu(), atol=1e-5, rtol=1e-4)
 
@@ -190,39 +231,40 @@ def _kept_patterns(hkv, count, n, gen):
     return torch.stack(rows).to(DEVICE)
 
 
-@parametrize("hkv,d,bs,dtype,count", [
-    (3, 64, 16, F32, 70),
-    (4, 128, 32, BF16, 45),
+@parametrize("hkv,d,bs,dtype,count,layout", [
+    (3, 64, 16, F32, 70, "head_rows"),
+    (4, 128, 32, BF16, 45, "token"),
+    (2, 80, 16, F16, 33, "split"),
 ])
-def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count):
+def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
     n = 160
     gen = torch.Generator().manual_seed(count)
-    c = Cache(n // bs + 3, hkv, d, bs, 4, dtype)
+    c = Cache(n // bs + 3, hkv, d, bs, 4, dtype, layout)
     row = c.new_row(-(-n // bs))
     c.fill(row, 0, n, gen)
     kept = _kept_patterns(hkv, count, n, gen)
     assert bool((kept >= torch.arange(count, device=DEVICE)).all())
     ref = c.clone()
-    compact_kept_tokens(c.kv, row, kept)
-    paged.compact_kept_tokens(ref.kv, row, kept)
+    compact_kept_tokens(c.k, c.v, row, kept)
+    paged.compact_kept_tokens(ref.k, ref.v, row, kept)
     _same_storage(c, ref)
 
 
-@parametrize("hkv,d,bs,ps,dtype,ranges", [
-    (3, 64, 16, 4, F32, [(0, 37), (96, 150)]),
-    (2, 128, 32, 8, BF16, [(0, 64), (64, 131)]),
-    (1, 64, 16, 1, F32, [(5, 20)]),
+@parametrize("hkv,d,bs,ps,dtype,ranges,layout", [
+    (3, 64, 16, 4, F32, [(0, 37), (96, 150)], "split"),
+    (2, 128, 32, 8, BF16, [(0, 64), (64, 131)], "head_rows"),
+    (1, 64, 16, 1, F32, [(5, 20)], "token"),
 ])
-def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges):
+def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges, layout):
     n = 160
     gen = torch.Generator().manual_seed(ps)
-    c = Cache(n // bs + 3, hkv, d, bs, ps, dtype)
+    c = Cache(n // bs + 3, hkv, d, bs, ps, dtype, layout)
     row = c.new_row(-(-n // bs))
     c.fill(row, 0, n, gen)
     ref = c.clone()
     for lo, hi in ranges:
-        write_kt_pages(c.kv, c.kt, row, lo, hi, ps)
-        paged.write_kt_pages(ref.kv, ref.kt, row, lo, hi, ps)
+        write_kt_pages(c.k, c.kt, row, lo, hi, ps)
+        paged.write_kt_pages(ref.k, ref.kt, row, lo, hi, ps)
     _same_storage(c, ref)
 
 
@@ -236,24 +278,24 @@ def _pooled_ref_topk_ok(pooled, chosen, protect_from, tol):
         assert lo_in >= hi_out - tol, (h, float(lo_in), float(hi_out))
 
 
-@parametrize("n,hkv,g,d,bs,ps,dtype,budget", [
-    (330, 3, 3, 64, 16, 4, F32, 100),
-    (260, 2, 4, 128, 32, 8, BF16, 120),
+@parametrize("n,hkv,g,d,bs,ps,dtype,budget,layout", [
+    (330, 3, 3, 64, 16, 4, F32, 100, "head_rows"),
+    (260, 2, 4, 128, 32, 8, BF16, 120, "token"),
 ])
-def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget):
+def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout):
     gen = torch.Generator().manual_seed(n)
-    c = Cache(n // bs + 4, hkv, d, bs, ps, dtype)
+    c = Cache(n // bs + 4, hkv, d, bs, ps, dtype, layout)
     row = c.new_row(-(-n // bs))
     c.fill(row, 0, n, gen)
     w, kernel, scale = 16, 7, d**-0.5
     q = torch.randn(w, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     tail_start = n // bs * bs
     protect_from = min(n - w, tail_start)
-    keys, _ = paged.gather_kv(c.kv, row, torch.arange(n, device=DEVICE))
+    keys, _ = paged.gather_kv(c.k, c.v, row, torch.arange(n, device=DEVICE))
     pooled = pool_scores(window_attention_scores(q, keys, scale), kernel).cpu()
 
     before = c.clone()
-    kept = triton_ops.snapkv_compress(c.kv, c.kt, row, q, n, budget, tail_start,
+    kept = triton_ops.snapkv_compress(c.k, c.v, c.kt, row, q, n, budget, tail_start,
                                       kernel, ps, scale)
     assert kept.shape == (hkv, budget)
     num_select = budget - (n - protect_from)
@@ -265,9 +307,9 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget):
     _pooled_ref_topk_ok(pooled, chosen, protect_from, tol=1e-5 + 1e-4 * float(pooled.max()))
     # The cache holds exactly what the reference moves for these positions.
     num_compact = budget - (n - tail_start)
-    paged.compact_kept_tokens(before.kv, row, kept[:, :num_compact])
-    paged.write_kt_pages(before.kv, before.kt, row, 0, num_compact, ps)
-    paged.write_kt_pages(before.kv, before.kt, row, tail_start, n, ps)
+    paged.compact_kept_tokens(before.k, before.v, row, kept[:, :num_compact])
+    paged.write_kt_pages(before.k, before.kt, row, 0, num_compact, ps)
+    paged.write_kt_pages(before.k, before.kt, row, tail_start, n, ps)
     _same_storage(c, before)
 
 
@@ -275,13 +317,13 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget):
 # Decode kernels
 
 
-def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True):
+def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True, layout="token"):
     """Requests already compressed: spec = (num_compact, tail_start, seq_len)
     (seq_len 0: a padding row). View slots get random K/V and KT pages;
     everything outside the views is NaN (KT pages outside too)."""
     gen = torch.Generator().manual_seed(seed)
     need = sum(-(-(s[2] + 1) // bs) for s in specs)  # room for one new token
-    c = Cache(need + 2, hkv, d, bs, ps, dtype)
+    c = Cache(need + 2, hkv, d, bs, ps, dtype, layout)
     rows = []
     for nc, ts, seq in specs:
         row = c.new_row(-(-(seq + 1) // bs))
@@ -290,8 +332,8 @@ def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True):
             continue
         c.fill(row, 0, nc, gen)
         c.fill(row, ts, seq, gen)
-        paged.write_kt_pages(c.kv, c.kt, row, 0, nc, ps)
-        paged.write_kt_pages(c.kv, c.kt, row, ts, seq, ps)
+        paged.write_kt_pages(c.k, c.kt, row, 0, nc, ps)
+        paged.write_kt_pages(c.k, c.kt, row, ts, seq, ps)
         if not poison:
             c.fill(row, nc, ts, gen)  # stale but finite data outside the view
     return c, rows
@@ -338,17 +380,17 @@ def _view_kt(c, row, nc, ts, seq):
     return kt[..., : c.d], kt[..., c.d:], starts
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,force,impl", [
-    (3, 3, 64, 16, 4, F32, False, "triton"),
-    (2, 4, 128, 32, 8, BF16, True, "torch"),
-    (1, 8, 64, 16, 8, F32, True, "triton"),
-    (2, 1, 64, 32, 4, F32, False, "torch"),
+@parametrize("hkv,g,d,bs,ps,dtype,force,impl,layout", [
+    (3, 3, 64, 16, 4, F32, False, "triton", "token"),
+    (2, 4, 128, 32, 8, BF16, True, "torch", "head_rows"),
+    (1, 8, 64, 16, 8, F32, True, "triton", "token"),
+    (2, 1, 64, 32, 4, F32, False, "torch", "head_rows"),
 ])
-def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl):
+def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
     topr = [d, 16, 16, 5]
     topk = [8 * ps, 3 * ps, 4 * ps, 100 * ps]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=hkv * g)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=hkv * g, layout=layout)
     max_pages = 48
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
@@ -426,7 +468,7 @@ def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
     slots = (starts[:, None] + torch.arange(c.ps, device=DEVICE)).flatten()
     end = torch.where(starts < ts, nc, seq).repeat_interleave(c.ps)
     in_view = slots < end
-    keys, values = paged.gather_kv(c.kv, row, torch.where(in_view, slots, 0))
+    keys, values = paged.gather_kv(c.k, c.v, row, torch.where(in_view, slots, 0))
     mask = torch.zeros(c.hkv, starts.numel(), dtype=torch.bool, device=DEVICE)
     for h in range(c.hkv):
         mask[h, pages[h]] = True
@@ -436,17 +478,17 @@ def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
     return sparse_attention(q, keys, values, token_mask, scale)
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,splits", [
-    (3, 3, 64, 16, 4, F32, 1),
-    (2, 4, 128, 32, 8, BF16, 3),
-    (1, 8, 64, 16, 8, F32, None),
-    (4, 1, 64, 32, 4, BF16, 2),
-    (2, 3, 80, 16, 16, F16, 2),
+@parametrize("hkv,g,d,bs,ps,dtype,splits,layout", [
+    (3, 3, 64, 16, 4, F32, 1, "head_rows"),
+    (2, 4, 128, 32, 8, BF16, 3, "token"),
+    (1, 8, 64, 16, 8, F32, None, "head_rows"),
+    (4, 1, 64, 32, 4, BF16, 2, "split"),
+    (2, 3, 80, 16, 16, F16, 2, "token"),
 ])
-def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits):
+def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
     topk = [6 * ps, 2 * ps, ps, 100 * ps]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g, layout=layout)
     gen = torch.Generator().manual_seed(3)
     n_sel = 6
     sel = torch.zeros(len(specs), hkv, n_sel, dtype=torch.int64)
@@ -458,7 +500,7 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits):
     q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     scale = d**-0.5
     nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
-    out = sparse_decode(q, c.kv, _table(rows), sel.to(DEVICE), nc, ts, seq,
+    out = sparse_decode(q, c.k, c.v, _table(rows), sel.to(DEVICE), nc, ts, seq,
                         _ints(topk), ps, scale, num_splits=splits)
     assert out.dtype == dtype and bool(out.isfinite().all())
     for b, (n_c, t_s, s_l) in enumerate(specs):
@@ -471,40 +513,42 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits):
         _close(out[b], ref, dtype, msg=f"row {b}")
 
 
-@parametrize("hkv,g,d,bs,dtype,splits", [
-    (3, 3, 64, 16, F32, 4),
-    (2, 4, 128, 32, BF16, None),
-    (1, 8, 64, 16, BF16, 1),
-    (2, 3, 64, 16, F16, 2),
+@parametrize("hkv,g,d,bs,dtype,splits,layout", [
+    (3, 3, 64, 16, F32, 4, "token"),
+    (2, 4, 128, 32, BF16, None, "head_rows"),
+    (1, 8, 64, 16, BF16, 1, "token"),
+    (2, 3, 64, 16, F16, 2, "split"),
 ])
-def test_dense_decode(hkv, g, d, bs, dtype, splits):
+def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
     seqs = [150, 1, 0, 77]
     gen = torch.Generator().manual_seed(g)
-    c = Cache(sum(-(-max(s, 1) // bs) for s in seqs) + 2, hkv, d, bs, 4, dtype)
+    c = Cache(sum(-(-max(s, 1) // bs) for s in seqs) + 2, hkv, d, bs, 4, dtype, layout)
     rows = []
     for s in seqs:
         rows.append(c.new_row(-(-max(s, 1) // bs)))
         c.fill(rows[-1], 0, s, gen)
     q = torch.randn(len(seqs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
-    out = dense_decode(q, c.kv, _table(rows), _ints(seqs), d**-0.5, max(seqs),
+    out = dense_decode(q, c.k, c.v, _table(rows), _ints(seqs), d**-0.5, max(seqs),
                        num_splits=splits)
+    assert out.dtype == dtype and bool(out.isfinite().all())
     for b, s in enumerate(seqs):
         if s == 0:
             assert bool((out[b] == 0).all())
             continue
         ref = paged.dense_attention(q[b : b + 1], torch.tensor([s - 1], device=DEVICE),
-                                    c.kv, rows[b], s, d**-0.5)
+                                    c.k, c.v, rows[b], s, d**-0.5)
         _close(out[b], ref[0], dtype, msg=f"row {b}")
 
 
-@parametrize("hkv,d,bs,ps,dtype,fused", [
-    (3, 64, 16, 4, F32, False),
-    (2, 128, 32, 8, BF16, True),
-    (2, 64, 16, 1, F32, True),
+@parametrize("hkv,d,bs,ps,dtype,fused,layout", [
+    (3, 64, 16, 4, F32, False, "head_rows"),
+    (2, 128, 32, 8, BF16, True, "head_rows"),
+    (2, 64, 16, 1, F32, True, "token"),
+    (2, 64, 16, 4, F16, True, "split"),
 ])
-def test_kt_update(hkv, d, bs, ps, dtype, fused):
+def test_kt_update(hkv, d, bs, ps, dtype, fused, layout):
     specs = [(37, 96, 150), (64, 64, 65), (0, 0, 0), (13, 32, 40)]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=ps)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=ps, layout=layout)
     gen = torch.Generator().manual_seed(11)
     seqs = _ints([s[2] + (1 if s[2] else 0) for s in specs])  # one new token each
     key = torch.randn(len(specs), hkv, d, generator=gen).to(dtype).to(DEVICE)
@@ -514,33 +558,33 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused):
         if seq == 0:
             continue
         flat = (rows[b][seq // bs].long() * bs + seq % bs).view(1)
-        paged.write_kv(ref.kv, key[b : b + 1], value[b : b + 1], flat)
+        paged.write_kv(ref.k, ref.v, key[b : b + 1], value[b : b + 1], flat)
         if not fused:
-            paged.write_kv(c.kv, key[b : b + 1], value[b : b + 1], flat)
+            paged.write_kv(c.k, c.v, key[b : b + 1], value[b : b + 1], flat)
         lo = seq - seq % ps
-        paged.write_kt_pages(ref.kv, ref.kt, rows[b], lo, seq + 1, ps)
+        paged.write_kt_pages(ref.k, ref.kt, rows[b], lo, seq + 1, ps)
     if fused:
-        write_kv_and_kt(c.kv, c.kt, key, value, _table(rows), seqs, ps)
+        write_kv_and_kt(c.k, c.v, c.kt, _table(rows), seqs, ps, key, value)
     else:
-        kt_update(c.kv, c.kt, _table(rows), seqs, ps)
+        kt_update(c.k, c.kt, _table(rows), seqs, ps)
     _same_storage(c, ref)
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,force,impl", [
-    (3, 3, 64, 16, 4, F32, False, "auto"),
-    (2, 4, 128, 32, 8, BF16, True, "auto"),
-    (1, 8, 64, 16, 4, BF16, False, "torch"),
-    (2, 3, 64, 16, 1, F32, True, "auto"),
-    (2, 2, 128, 16, 16, F32, False, "auto"),
+@parametrize("hkv,g,d,bs,ps,dtype,force,impl,layout", [
+    (3, 3, 64, 16, 4, F32, False, "auto", "head_rows"),
+    (2, 4, 128, 32, 8, BF16, True, "auto", "token"),
+    (1, 8, 64, 16, 4, BF16, False, "torch", "head_rows"),
+    (2, 3, 64, 16, 1, F32, True, "auto", "split"),
+    (2, 2, 128, 16, 16, F32, False, "auto", "head_rows"),
 ])
 def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps, dtype,
-                                                               force, impl):
+                                                               force, impl, layout):
     """End to end: KT update + scoring + selection + sparse attention. The
     kernel's cache has NaN everywhere outside the views; the reference runs
     on a copy with finite stale data there (its masked einsum is not NaN
     safe). Outputs must be finite and equal."""
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140)]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g + ps)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g + ps, layout=layout)
     clean = c.clone()
     gen = torch.Generator().manual_seed(5)
     for b, (nc, ts, seq) in enumerate(specs):
@@ -565,11 +609,12 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
     max_pages = max(paged.view_page_starts(nc, ts, sq, ps, "cpu").numel()
                     for (nc, ts, _), sq in zip(specs, seqs)) + 3
     max_select = max(max(k // ps, 1) for k in topk)
-    out = triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args, max_pages, max_select, force,
-                                      select_impl=impl)
-    ref = triton_ops.hsa_decode_batch_reference(q, clean.kv, clean.kt, *args,
+    out = triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, max_pages, max_select,
+                                      force, select_impl=impl)
+    ref = triton_ops.hsa_decode_batch_reference(q, clean.k, clean.v, clean.kt, *args,
                                                 force_current_page=force)
     assert bool(out.isfinite().all())
+    c.check_guard()
     assert bool((out[2] == 0).all())
     _close(out, ref, dtype)
     # the KT update touched the same pages as the reference's
@@ -591,16 +636,16 @@ def test_hsa_decode_batch_cuda_graph():
     args = (_table(rows), _ints([s[0] for s in specs]), _ints([s[1] for s in specs]),
             _ints([s[2] for s in specs]), _ints([16] * 3), _ints([32] * 3), ps, d**-0.5,
             40, 8)
-    eager = triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args)
+    eager = triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args)
     out = torch.empty_like(eager)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles) outside capture
-        triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args, out=out)
+        triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_ops.hsa_decode_batch(q, c.kv, c.kt, *args, out=out)
+        triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, out=out)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
