@@ -11,14 +11,19 @@ One concern per module, each a kernel or two plus its launcher:
 * ``dense_decode``  -- the dense paged decode baseline.
 
 Every kernel reads / writes the KV cache through two views, ``k_cache`` and
-``v_cache`` [num_blocks, Hkv, block_size, d]: last dim contiguous, block /
-head / slot strides arbitrary and passed per tensor (keys-only steps take
-just ``k_cache``). So the cache vLLM allocates for its own backend can be
-shared whatever its K/V placement -- per token K|V on the last dim
-(FLASH_ATTN / TRITON_ATTN), per head K rows then V rows (CPU_ATTN) -- and
-blocks may be padded (the KT pages live in that padding): nothing outside
+``v_cache`` [num_blocks, Hkv, block_size, d]: block / head / slot /
+channel strides arbitrary and passed per tensor (keys-only steps take just
+``k_cache``). So the cache vLLM allocates for its own backend can be shared
+whatever its K/V placement -- per token K|V on the last dim (FLASH_ATTN /
+TRITON_ATTN), per head K rows then V rows, or with K transposed per head
+block ([d, block_size], CPU_ATTN's vec layouts) -- and blocks may be
+padded (the KT pages live in that padding): nothing outside
 the two views' rows is touched. ``kt_cache`` [num_blocks, Hkv,
 block_size // page_size, 2d] keeps min keys in [..., :d], max in [..., d:].
+
+The channel stride is an ordinary integer argument: Triton specializes
+integers equal to 1, so the contiguous case compiles exactly as with a
+hard-coded unit stride.
 
 No vLLM import anywhere here; ``rocketkv_vllm.triton_ops`` composes them.
 """

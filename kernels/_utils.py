@@ -80,23 +80,28 @@ def check_kv_cache(k_cache: torch.Tensor,
                    v_cache: torch.Tensor | None = None) -> tuple[int, int, int]:
     """(Hkv, block_size, head_dim) of a K/V cache view pair.
 
-    k_cache, v_cache: [num_blocks, Hkv, block_size, d] views with a
-    contiguous last dimension; the other three strides are arbitrary (K and
-    V may interleave per token, sit in separate row ranges of a block, or
-    live in padded blocks), and the kernels take them per tensor. v_cache
-    None: a keys-only caller.
+    k_cache, v_cache: [num_blocks, Hkv, block_size, d] views with arbitrary
+    strides, the channel (last) dim included: K and V may interleave per
+    token, sit in separate row ranges of a block, K may be stored transposed
+    per head block ([d, block_size], vLLM's CPU_ATTN), blocks may be padded;
+    the kernels take all four strides per tensor. v_cache None: a keys-only
+    caller.
     """
     assert k_cache.dim() == 4, "k_cache must be [num_blocks, Hkv, block_size, d]"
-    assert k_cache.stride(-1) == 1, "k_cache's last dimension must be contiguous"
     if v_cache is not None:
         assert v_cache.shape == k_cache.shape, (
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-        assert v_cache.stride(-1) == 1, "v_cache's last dimension must be contiguous"
         assert v_cache.dtype == k_cache.dtype and v_cache.device == k_cache.device
     _, hkv, bs, d = k_cache.shape
     return hkv, bs, d
 
 
-def cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
-    """(block, head, slot) strides of a [num_blocks, Hkv, bs, d] view."""
-    return cache.stride(0), cache.stride(1), cache.stride(2)
+def cache_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(block, head, slot, channel) strides of a [num_blocks, Hkv, bs, d] view.
+
+    The channel stride is a plain (non-constexpr) kernel argument: Triton
+    specializes integer arguments equal to 1, so a contiguous last dim
+    compiles to the same unit-stride, vectorised loads as before, and a
+    strided one (e.g. K transposed per head block) to its own variant.
+    """
+    return cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)

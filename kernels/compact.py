@@ -1,10 +1,10 @@
 """Stage 1 write-back: in-place compaction of kept tokens and KT page builds.
 
 K and V come as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d]
-(last dim contiguous, block / head / slot strides arbitrary and passed per
-tensor), so the same kernels serve a per-token K|V layout, a per-head
-K-rows-then-V-rows layout and padded blocks; nothing outside the two views'
-rows is read or written.
+(block / head / slot / channel strides arbitrary and passed per tensor), so
+the same kernels serve a per-token K|V layout, a per-head K-rows-then-V-rows
+layout, K transposed per head block (CPU_ATTN) and padded blocks; nothing
+outside the two views' elements is read or written.
 
 ``compact_kept_tokens`` -- per KV head h, move the K and V rows of logical
 slot kept[h, j] to slot j (j < C), through the request's block table, in
@@ -50,7 +50,7 @@ from rocketkv_vllm.kernels._utils import (
 @triton.jit
 def _compact_kernel(
     k_ptr, v_ptr, bt_ptr, kept_ptr, num_kept, stride_kept,
-    stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
     BS: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     h = tl.program_id(0)
@@ -68,23 +68,23 @@ def _compact_kernel(
         dst_off = (j % BS)[:, None]
         k_rows = tl.load(
             k_ptr + src_blk[:, None] * stride_kb + h * stride_kh
-            + src_off * stride_ks + cols[None, :],
+            + src_off * stride_ks + cols[None, :] * stride_kd,
             mask=mask, other=0.0,
         )
         v_rows = tl.load(
             v_ptr + src_blk[:, None] * stride_vb + h * stride_vh
-            + src_off * stride_vs + cols[None, :],
+            + src_off * stride_vs + cols[None, :] * stride_vd,
             mask=mask, other=0.0,
         )
         tl.debug_barrier()  # all of this tile's reads before any of its writes
         tl.store(
             k_ptr + dst_blk[:, None] * stride_kb + h * stride_kh
-            + dst_off * stride_ks + cols[None, :],
+            + dst_off * stride_ks + cols[None, :] * stride_kd,
             k_rows, mask=mask,
         )
         tl.store(
             v_ptr + dst_blk[:, None] * stride_vb + h * stride_vh
-            + dst_off * stride_vs + cols[None, :],
+            + dst_off * stride_vs + cols[None, :] * stride_vd,
             v_rows, mask=mask,
         )
 
@@ -92,7 +92,7 @@ def _compact_kernel(
 @triton.jit
 def _kt_pages_kernel(
     k_ptr, kt_ptr, bt_ptr, lo, hi, num_pages,
-    stride_kb, stride_kh, stride_ks, stride_tb, stride_th, stride_tp,
+    stride_kb, stride_kh, stride_ks, stride_kd, stride_tb, stride_th, stride_tp,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -104,7 +104,7 @@ def _kt_pages_kernel(
     start = lo + p * PS
     blk = tl.load(bt_ptr + start // BS, mask=p_ok, other=0).to(tl.int64)
     off = start % BS
-    base = k_ptr + blk[:, None] * stride_kb + h * stride_kh + d[None, :]
+    base = k_ptr + blk[:, None] * stride_kb + h * stride_kh + d[None, :] * stride_kd
     kmin = tl.full([BLOCK_P, D_PAD], float("inf"), tl.float32)
     kmax = tl.full([BLOCK_P, D_PAD], float("-inf"), tl.float32)
     for i in tl.static_range(PS):
@@ -128,8 +128,8 @@ def compact_kept_tokens(
 ) -> None:
     """Move head h's K and V at logical slot kept[h, j] to slot j, in place.
 
-    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (last dim contiguous,
-    other strides arbitrary); kept: [Hkv, C] integer, each row strictly
+    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides
+    arbitrary); kept: [Hkv, C] integer, each row strictly
     increasing (so kept[h, j] >= j).
     """
     hkv, bs, d = check_kv_cache(k_cache, v_cache)

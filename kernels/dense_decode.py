@@ -10,10 +10,10 @@ S > 1. The splits are sized from the Python int ``max_seq_len`` (an engine
 constant, e.g. max_model_len), so the launch is CUDA-graph capturable.
 
 K and V are read through two [num_blocks, Hkv, bs, d] views with their own
-block / head / slot strides (any layout that shares the cache with vLLM's
-attention backends: per-token K|V, per-head K rows then V rows, padded
-blocks); this kernel keeps the dense baseline on exactly the cache access
-path of the sparse one.
+block / head / slot / channel strides (any layout that shares the cache
+with vLLM's attention backends: per-token K|V, per-head K rows then V rows,
+K transposed per head block, padded blocks); this kernel keeps the dense
+baseline on exactly the cache access path of the sparse one.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ _LOG2E = 1.4426950408889634
 def _dense_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, out_ptr,
     num_kv_heads, num_splits, tiles_per_split, scale_log2,
-    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DIRECT: tl.constexpr,
@@ -72,7 +72,8 @@ def _dense_decode_kernel(
         ok = slot < hi
         blk = tl.load(row_bt + slot // BS, mask=ok, other=0).to(tl.int64)
         k, v = _load_kv(k_ptr, v_ptr, blk, h, slot % BS, ok, d, d_ok,
-                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
+                        stride_kb, stride_kh, stride_ks, stride_kd,
+                        stride_vb, stride_vh, stride_vs, stride_vd)
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
                   stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
@@ -92,7 +93,7 @@ def dense_decode(
 ) -> torch.Tensor:
     """Decode attention of query [B, Hq, d] over slots [0, seq_lens[b]) of
     each row (max_seq_len: a Python int >= every seq_lens[b]); k_cache,
-    v_cache: [num_blocks, Hkv, bs, d] views (last dim contiguous)."""
+    v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary)."""
     query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
     batch = query.shape[0]
     assert block_table.stride(-1) == 1

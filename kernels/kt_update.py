@@ -9,7 +9,7 @@ and writes 2d min/max values. Rows with seq_lens[b] <= 0 (CUDA-graph padding)
 do nothing.
 
 K is read (and K/V written) through the views ``k_cache`` / ``v_cache``
-[num_blocks, Hkv, bs, d] with their own strides (last dim contiguous).
+[num_blocks, Hkv, bs, d] with their own strides (channel dim included).
 
 ``write_kv_and_kt`` fuses the store of the new token's K/V into the same
 program: it writes K/V at pos and folds the new key (from registers) into
@@ -41,7 +41,8 @@ from rocketkv_vllm.kernels._utils import (
 @triton.jit
 def _kt_update_kernel(
     k_ptr, v_ptr, kt_ptr, bt_ptr, seq_ptr, knew_ptr, vnew_ptr,
-    stride_bt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
     stride_tb, stride_th, stride_tp, stride_nb, stride_nh,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     PS_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
@@ -61,15 +62,17 @@ def _kt_update_kernel(
         if WRITE_KV:
             kn = tl.load(knew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
             vn = tl.load(vnew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
-            tl.store(base + (pos % BS) * stride_ks + d, kn.to(k_ptr.dtype.element_ty),
-                     mask=d_ok)
-            v_dst = v_ptr + blk * stride_vb + h * stride_vh + (pos % BS) * stride_vs + d
+            tl.store(base + (pos % BS) * stride_ks + d * stride_kd,
+                     kn.to(k_ptr.dtype.element_ty), mask=d_ok)
+            v_dst = (v_ptr + blk * stride_vb + h * stride_vh + (pos % BS) * stride_vs
+                     + d * stride_vd)
             tl.store(v_dst, vn.to(v_ptr.dtype.element_ty), mask=d_ok)
             ok = (i < PS) & ((page_lo + i) < pos)  # the new slot: from registers
         else:
             ok = (i < PS) & ((page_lo + i) < seq)
         mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(base + (off + i)[:, None] * stride_ks + d[None, :], mask=mask, other=0.0)
+        k = tl.load(base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd,
+                    mask=mask, other=0.0)
         k = k.to(tl.float32)
         kmin = tl.min(tl.where(mask, k, float("inf")), 0)
         kmax = tl.max(tl.where(mask, k, float("-inf")), 0)

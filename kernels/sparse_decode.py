@@ -7,9 +7,9 @@ does not matter); row b uses its first n_use[b] = min(max(topk[b] // ps, 1), P[b
 n_sel) entries. Tokens of a page past the end of its region (num_compact
 for compact pages, seq_len for tail pages) are masked, so nothing outside
 the view is ever read. K and V are read through two views ``k_cache``,
-``v_cache`` [num_blocks, Hkv, bs, d] (last dim contiguous), each with its own
-block / head / slot strides, so any K/V placement inside a (padded) block
-works.
+``v_cache`` [num_blocks, Hkv, bs, d], each with its own block / head / slot
+/ channel strides, so any K/V placement inside a (padded) block works,
+K stored transposed per head block (CPU_ATTN) included.
 
 Flash-decoding structure:
 * ``_sparse_decode_kernel`` grid (B*Hkv, S): split s takes a fixed run of
@@ -96,14 +96,16 @@ def _load_q(q_ptr, b, h, stride_qb, stride_qh, G: tl.constexpr, G_PAD: tl.conste
 
 @triton.jit
 def _load_kv(k_ptr, v_ptr, blk, h, off, ok, d, d_ok,
-             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs):
+             stride_kb, stride_kh, stride_ks, stride_kd,
+             stride_vb, stride_vh, stride_vs, stride_vd):
     """K and V tiles [N, D_PAD] of head h at (block blk, offset off) per
-    token, each through its own strides; tokens with ok == False read 0."""
+    token, each through its own strides; tokens with ok == False read 0.
+    A channel stride of 1 is specialized by Triton (unit-stride loads)."""
     mask = ok[:, None] & d_ok[None, :]
     k_row = k_ptr + blk * stride_kb + h * stride_kh + off * stride_ks
     v_row = v_ptr + blk * stride_vb + h * stride_vh + off * stride_vs
-    k = tl.load(k_row[:, None] + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_row[:, None] + d[None, :], mask=mask, other=0.0)
+    k = tl.load(k_row[:, None] + d[None, :] * stride_kd, mask=mask, other=0.0)
+    v = tl.load(v_row[:, None] + d[None, :] * stride_vd, mask=mask, other=0.0)
     return k, v
 
 
@@ -112,8 +114,8 @@ def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
     o_ptr, lse_ptr, out_ptr,
     num_kv_heads, num_sel, num_splits, tiles_per_split, scale_log2,
-    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, PS: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
     UPCAST: tl.constexpr, DIRECT: tl.constexpr,
@@ -150,7 +152,8 @@ def _sparse_decode_kernel(
         ok = e_ok & (slot < end)
         blk = tl.load(row_bt + start // BS, mask=ok, other=0).to(tl.int64)
         k, v = _load_kv(k_ptr, v_ptr, blk, h, slot % BS, ok, d, d_ok,
-                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs)
+                        stride_kb, stride_kh, stride_ks, stride_kd,
+                        stride_vb, stride_vh, stride_vs, stride_vd)
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
                   stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
@@ -238,7 +241,7 @@ def sparse_decode(
     sel [B, Hkv, n_sel] integer page indices of the row's view (row b uses
     its first min(max(topk[b] // page_size, 1), P[b], n_sel)); per-row
     scalars are device integer tensors [B]; block_table [B, max_blocks].
-    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (last dim contiguous).
+    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary).
     Returns ``out`` [B, Hq, d] (allocated in the cache dtype if not given).
     """
     query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)

@@ -6,8 +6,8 @@ cache; the probabilities are summed over the window queries and over the GQA
 group of each KV head, and the window columns are dropped:
 ``scores [Hkv, N - w]`` fp32 (``algorithm.snapkv.window_attention_scores``).
 
-Only keys are read, through ``k_cache`` [num_blocks, Hkv, bs, d] (last dim
-contiguous, block / head / slot strides arbitrary). Two passes, both over
+Only keys are read, through ``k_cache`` [num_blocks, Hkv, bs, d] (block /
+head / slot / channel strides arbitrary). Two passes, both over
 key tiles gathered through ``block_row``:
 
 1. ``_window_stats_kernel`` -- grid (Hkv, row blocks, key chunks): for its
@@ -46,7 +46,7 @@ _LOG2E = 1.4426950408889634
 def _window_stats_kernel(
     q_ptr, k_ptr, bt_ptr, m_ptr, l_ptr,
     n_tokens, num_rows, num_rows_pad, num_chunks, scale_log2,
-    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks,
+    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_kd,
     W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr, UPCAST: tl.constexpr,
@@ -76,7 +76,7 @@ def _window_stats_kernel(
         blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
         k = tl.load(
             k_ptr + blk[:, None] * stride_kb + h * stride_kh
-            + (keys % BS)[:, None] * stride_ks + d[None, :],
+            + (keys % BS)[:, None] * stride_ks + d[None, :] * stride_kd,
             mask=k_ok[:, None] & d_ok[None, :], other=0.0,
         )
         s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * scale_log2
@@ -95,7 +95,7 @@ def _window_stats_kernel(
 def _window_colsum_kernel(
     q_ptr, k_ptr, bt_ptr, lse_ptr, out_ptr,
     num_cols, num_rows, num_rows_pad, scale_log2,
-    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_oh,
+    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_kd, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -107,7 +107,7 @@ def _window_colsum_kernel(
     blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
     k = tl.load(
         k_ptr + blk[:, None] * stride_kb + h * stride_kh
-        + (keys % BS)[:, None] * stride_ks + d[None, :],
+        + (keys % BS)[:, None] * stride_ks + d[None, :] * stride_kd,
         mask=k_ok[:, None] & d_ok[None, :], other=0.0,
     )
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -139,8 +139,8 @@ def window_scores(
     """Window attention mass of the prompt keys: [Hkv, N - w] fp32.
 
     q_win: [w, Hq, d] (queries of prompt positions N-w .. N-1, RoPE applied),
-    k_cache: [num_blocks, Hkv, bs, d] key view (last dim contiguous, other
-    strides arbitrary), block_row: the request's block table row
+    k_cache: [num_blocks, Hkv, bs, d] key view (all strides arbitrary),
+    block_row: the request's block table row
     (int32/int64), N = num_prompt_tokens >= w.
     """
     hkv, bs, d = check_kv_cache(k_cache)

@@ -2,9 +2,10 @@
 
 Same layout and semantics as ``rocketkv_vllm.paged`` (the oracle), but
 batched for decode and free of host synchronisation there. The KV cache is
-passed as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (last
-dim contiguous, other strides arbitrary; ``paged.split_kv`` makes them from
-a vLLM cache), the KT cache as ``kt_cache`` (``paged.kt_cache_view``):
+passed as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (all
+four strides arbitrary, so K may be stored transposed per head block as in
+CPU_ATTN; ``paged.split_kv`` makes them from a vLLM cache), the KT cache as
+``kt_cache`` (``paged.kt_cache_view``):
 
 * ``hsa_decode_batch`` -- one decode token per row, all rows at once. Launch
   sequence (everything on the current stream, grids from Python ints only):
@@ -134,8 +135,8 @@ def hsa_decode_batch(
     attention. Returns out [B, Hq, d].
 
     query [B, Hq, d] (last dim contiguous; cast to the cache dtype);
-    k_cache, v_cache [num_blocks, Hkv, bs, d] views (last dim contiguous,
-    other strides arbitrary: see ``kernels``);
+    k_cache, v_cache [num_blocks, Hkv, bs, d] views (all strides
+    arbitrary, the channel dim's included: see ``kernels``);
     block_table [B, max_blocks] int32 (last dim contiguous); num_compact,
     tail_start, seq_lens, topk, topr: [B] integer tensors on the device.
     max_pages (Python int) >= every row's view page count

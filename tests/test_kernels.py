@@ -84,15 +84,17 @@ def parametrize(names: str, cases: list):
 # 2d] kv_cache per layer whose K/V placement depends on the layout, handed to
 # the kernels as two views k_cache / v_cache [num_blocks, Hkv, bs, d]:
 #   "token"     K|V on the last dim of each token (FLASH_ATTN, TRITON_ATTN);
-#   "head_rows" each head's block is [2 * bs, d], K rows then V rows (CPU_ATTN);
-#   "split"     (test only, for strides the two above lack) all of a block's
+#   "head_rows" each head's block is [2 * bs, d], K rows then V rows;
+#   "cpu_vec"   the same halves, K stored transposed [d, bs] (CPU_ATTN's vec
+#               kernels): the K view's channel (last) dim has stride bs;
+#   "split"     (test only, for strides the ones above lack) all of a block's
 #               K first, head-major [Hkv, bs, d], then all its V, slot-major
 #               [bs, Hkv, d]: K and V strides differ.
 # Each block is padded: its KT pages, then GUARD elements nothing may read
 # or write. Everything starts NaN; block 0 is never handed out, so a
 # zero-padded block table points at NaNs.
 
-LAYOUTS = ("token", "head_rows", "split")
+LAYOUTS = ("token", "head_rows", "cpu_vec", "split")
 
 
 class Cache:
@@ -123,6 +125,8 @@ class Cache:
                                       hkv * bs * d)
         else:
             self.k, self.v = paged.split_kv(self.kv, self.layout)
+        if self.layout == "cpu_vec":  # K's last dim really is strided
+            assert self.k.stride(-1) == bs and self.v.stride(-1) == 1
         assert self.k.stride(0) > self.k[0].numel() * 2  # padded blocks
         self.kt = paged.kt_cache_view(self.kv, self.ps)
 
@@ -198,7 +202,7 @@ def _same_storage(a: Cache, b: Cache):
 @parametrize("n,hkv,g,d,bs,w,dtype,chunk,layout", [
     (300, 3, 3, 64, 16, 16, F32, 128, "token"),
     (200, 2, 4, 128, 32, 16, BF16, None, "head_rows"),
-    (150, 1, 8, 64, 16, 8, F32, 64, "head_rows"),
+    (150, 1, 8, 64, 16, 8, F32, 64, "cpu_vec"),
     (180, 2, 1, 64, 32, 32, BF16, None, "split"),
 ])
 def test_window_scores(n, hkv, g, d, bs, w, dtype, chunk, layout):
@@ -232,7 +236,7 @@ def _kept_patterns(hkv, count, n, gen):
 
 
 @parametrize("hkv,d,bs,dtype,count,layout", [
-    (3, 64, 16, F32, 70, "head_rows"),
+    (3, 64, 16, F32, 70, "cpu_vec"),
     (4, 128, 32, BF16, 45, "token"),
     (2, 80, 16, F16, 33, "split"),
 ])
@@ -252,7 +256,7 @@ def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
 
 @parametrize("hkv,d,bs,ps,dtype,ranges,layout", [
     (3, 64, 16, 4, F32, [(0, 37), (96, 150)], "split"),
-    (2, 128, 32, 8, BF16, [(0, 64), (64, 131)], "head_rows"),
+    (2, 128, 32, 8, BF16, [(0, 64), (64, 131)], "cpu_vec"),
     (1, 64, 16, 1, F32, [(5, 20)], "token"),
 ])
 def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges, layout):
@@ -279,7 +283,7 @@ def _pooled_ref_topk_ok(pooled, chosen, protect_from, tol):
 
 
 @parametrize("n,hkv,g,d,bs,ps,dtype,budget,layout", [
-    (330, 3, 3, 64, 16, 4, F32, 100, "head_rows"),
+    (330, 3, 3, 64, 16, 4, F32, 100, "cpu_vec"),
     (260, 2, 4, 128, 32, 8, BF16, 120, "token"),
 ])
 def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout):
@@ -384,7 +388,7 @@ def _view_kt(c, row, nc, ts, seq):
     (3, 3, 64, 16, 4, F32, False, "triton", "token"),
     (2, 4, 128, 32, 8, BF16, True, "torch", "head_rows"),
     (1, 8, 64, 16, 8, F32, True, "triton", "token"),
-    (2, 1, 64, 32, 4, F32, False, "torch", "head_rows"),
+    (2, 1, 64, 32, 4, F32, False, "torch", "cpu_vec"),
 ])
 def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
@@ -481,7 +485,7 @@ def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
 @parametrize("hkv,g,d,bs,ps,dtype,splits,layout", [
     (3, 3, 64, 16, 4, F32, 1, "head_rows"),
     (2, 4, 128, 32, 8, BF16, 3, "token"),
-    (1, 8, 64, 16, 8, F32, None, "head_rows"),
+    (1, 8, 64, 16, 8, F32, None, "cpu_vec"),
     (4, 1, 64, 32, 4, BF16, 2, "split"),
     (2, 3, 80, 16, 16, F16, 2, "token"),
 ])
@@ -516,7 +520,7 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
 @parametrize("hkv,g,d,bs,dtype,splits,layout", [
     (3, 3, 64, 16, F32, 4, "token"),
     (2, 4, 128, 32, BF16, None, "head_rows"),
-    (1, 8, 64, 16, BF16, 1, "token"),
+    (1, 8, 64, 16, BF16, 1, "cpu_vec"),
     (2, 3, 64, 16, F16, 2, "split"),
 ])
 def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
@@ -542,7 +546,7 @@ def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
 
 @parametrize("hkv,d,bs,ps,dtype,fused,layout", [
     (3, 64, 16, 4, F32, False, "head_rows"),
-    (2, 128, 32, 8, BF16, True, "head_rows"),
+    (2, 128, 32, 8, BF16, True, "cpu_vec"),
     (2, 64, 16, 1, F32, True, "token"),
     (2, 64, 16, 4, F16, True, "split"),
 ])
@@ -573,7 +577,7 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused, layout):
 @parametrize("hkv,g,d,bs,ps,dtype,force,impl,layout", [
     (3, 3, 64, 16, 4, F32, False, "auto", "head_rows"),
     (2, 4, 128, 32, 8, BF16, True, "auto", "token"),
-    (1, 8, 64, 16, 4, BF16, False, "torch", "head_rows"),
+    (1, 8, 64, 16, 4, BF16, False, "torch", "cpu_vec"),
     (2, 3, 64, 16, 1, F32, True, "auto", "split"),
     (2, 2, 128, 16, 16, F32, False, "auto", "head_rows"),
 ])
