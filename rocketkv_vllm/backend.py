@@ -1,19 +1,27 @@
 """The ROCKETKV attention backend: backend class, metadata, builder, impl.
 
-Per request and step (see ``config.plan_request`` for the per-request plan):
-- prompt not longer than its budget: exact dense attention, always;
-- prefill chunks before the prompt's end: dense attention; queries that fall
-  into the observation window are kept for Stage 1;
-- the chunk holding the last prompt token: dense attention for the prompt
-  part, then Stage 1 (select, compact onto the first blocks, build KT pages)
-  in this same step, since the scheduler hands the freed blocks to other
-  requests from the next step on;
-- later tokens (decode, or recomputed output tokens after a preemption):
-  Stage 2 (HSA) over the compacted tokens plus the tail, one token at a time.
+Everything dense runs in vLLM's own attention implementation for the
+platform (CPU_ATTN on CPU; FLASH_ATTN, else TRITON_ATTN on NVIDIA), on the
+same KV cache tensor with that backend's own metadata: the KV write, every
+prompt token (chunked prefill included) and the decode of requests that are
+not compressed. ROCKETKV adds only what RocketKV changes:
+
+- Stage 1, in the step whose chunk holds a compressed prompt's last token,
+  after the native attention of that chunk: select, compact onto the first
+  blocks, build KT pages. The scheduler hands the freed blocks to other
+  requests from the next step on, so it cannot wait.
+- Stage 2 (HSA) for every decode token of a compressed request, batched over
+  the step's rows (``batched`` in PyTorch, or the Triton kernels). The
+  native call sees such rows with a one-token context, so it does next to
+  no work for them, and their output is overwritten.
+
+Tokens after a compressed prompt that arrive in a multi-token chunk (output
+tokens recomputed after a preemption) go through Stage 2 one at a time.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -34,7 +42,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from rocketkv_vllm import paged
+from rocketkv_vllm import batched, paged, stats
 from rocketkv_vllm.config import RequestPlan, RocketKVSettings, max_topk, plan_request
 from rocketkv_vllm.engine_config import (
     process_settings,
@@ -47,9 +55,80 @@ from rocketkv_vllm.kv_cache import make_rocketkv_spec
 logger = init_logger(f"vllm.{__name__}")
 
 
+@dataclass(frozen=True)
+class NativeChoice:
+    backend: type[AttentionBackend]
+    kv_layout: str  # where K and V sit in a block (paged.split_kv)
+
+
+def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> str:
+    """Where CPU_ATTN's kernels for this ISA put K and V in a block, found by
+    letting them write known values and reading them back through our views
+    (the vec kernels store K transposed; other ISAs pack differently)."""
+    from vllm import _custom_ops as ops
+
+    heads, blocks = 2, 2
+    for layout in ("cpu_vec", "head_rows"):
+        kv_cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+        k_cache, v_cache = paged.split_kv(kv_cache, layout)
+        gen = torch.Generator().manual_seed(0)
+        key = torch.randn(3, heads, head_size, generator=gen).to(dtype)
+        value = torch.randn(3, heads, head_size, generator=gen).to(dtype)
+        slots = torch.tensor([1, block_size + 2, 2 * block_size - 1])
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        blk, off = slots // block_size, slots % block_size
+        if (torch.equal(k_cache[blk, :, off], key)
+                and torch.equal(v_cache[blk, :, off], value)):
+            return layout
+    raise NotImplementedError(
+        f"ROCKETKV cannot read vLLM CPU_ATTN's KV cache layout for the '{isa}' "
+        f"kernels (dtype {dtype}, block size {block_size}); supported on CPU: the "
+        "vec and vec16 kernels (x86 without AMX for this dtype)")
+
+
+@functools.cache
+def native_backend(head_size: int, dtype: torch.dtype, block_size: int) -> NativeChoice:
+    """vLLM's own attention backend that ROCKETKV runs dense attention with."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import (
+            CPUAttentionBackend,
+            _get_attn_isa,
+        )
+
+        isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+        layout = cpu_kv_layout(isa, dtype, head_size, block_size)
+        choice = NativeChoice(CPUAttentionBackend, layout)
+    else:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        capability = current_platform.get_device_capability()
+        if (FlashAttentionBackend.supports_head_size(head_size)
+                and FlashAttentionBackend.supports_dtype(dtype)
+                and capability is not None
+                and FlashAttentionBackend.supports_compute_capability(capability)):
+            choice = NativeChoice(FlashAttentionBackend, "token")
+        else:
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+            choice = NativeChoice(TritonAttentionBackend, "token")
+    logger.info_once("ROCKETKV: dense attention runs in vLLM's %s backend "
+                     "(KV layout %s).", choice.backend.get_name(), choice.kv_layout)
+    return choice
+
+
+def native_for_config(vllm_config: VllmConfig) -> NativeChoice:
+    model_config = vllm_config.model_config
+    return native_backend(model_config.get_head_size(), model_config.dtype,
+                          vllm_config.cache_config.block_size)
+
+
 class RocketKVBackend(AttentionBackend):
     # vLLM's own selection machinery knows this backend as CUSTOM (see plugin).
-    forward_includes_kv_cache_update: bool = True
+    # The native backend writes the KV cache in do_kv_cache_update.
+    forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [
         torch.float16, torch.bfloat16, torch.float32,
     ]
@@ -69,6 +148,8 @@ class RocketKVBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        # CPU_ATTN's vec16 kernels take 16-token blocks (its packed AMX
+        # layout for bf16 at multiples of 32 is refused: cpu_kv_layout).
         return [MultipleOf(16)]
 
     @classmethod
@@ -77,6 +158,7 @@ class RocketKVBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # KT pages sit in each block's padding behind a head-major interior.
         return (KVCacheLayout.LBHNC,)
 
     @classmethod
@@ -95,45 +177,53 @@ class RocketKVBackend(AttentionBackend):
 
 
 @dataclass
-class RowPlan:
-    """One request's part of a step."""
+class HsaRows:
+    """Stage 2 rows of a step: one token per row, same for every layer."""
 
-    row: int  # index into the block table
+    tokens: torch.Tensor  # [B] index of each row's token in the step
+    block_table: torch.Tensor  # [B, max_blocks]
+    num_compact: torch.Tensor  # [B] int32
+    tail_start: torch.Tensor
+    seq_lens: torch.Tensor  # including the token
+    topk: torch.Tensor
+    topr: torch.Tensor
+    num_select: torch.Tensor  # pages to select: max(topk // page_size, 1)
+    max_pages: int  # >= every row's view page count
+    max_select: int  # >= every num_select
+    pages: batched.ViewPages | None  # PyTorch path only
+
+
+@dataclass
+class Stage1Row:
+    """A compressed request whose chunk holds its prompt's last token."""
+
     q_start: int
     q_end: int
-    context_len: int  # tokens already in the cache before this step
-    seq_len: int
+    context_len: int
+    block_row: torch.Tensor
     plan: RequestPlan
 
 
 @dataclass
-class DecodeBatch:
-    """Single-token rows decoded together: one token per row, row order."""
+class WindowRow:
+    """A chunk before the prompt's end holding some observation-window queries."""
 
-    rows: list[RowPlan]
-    tokens: torch.Tensor  # [B] index of each row's token in the step
-    block_table: torch.Tensor  # [B, max_blocks]
-    seq_lens: torch.Tensor  # [B] including the new token
-    num_compact: torch.Tensor  # [B] (compressed batch only)
-    tail_start: torch.Tensor
-    topk: torch.Tensor
-    topr: torch.Tensor
+    q_start: int
+    q_end: int
+    context_len: int
+    block_row: torch.Tensor
+    plan: RequestPlan
 
 
 @dataclass
 class RocketKVMetadata:
+    native: object  # the native backend's metadata for the whole batch
     num_actual_tokens: int
-    max_seq_len: int
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    positions: torch.Tensor  # [num_actual_tokens] logical position of each token
-    rows: list[RowPlan] = field(default_factory=list)  # not in a batch below
-    hsa_batch: DecodeBatch | None = None  # compressed requests, decoding
-    dense_batch: DecodeBatch | None = None  # uncompressed requests, decoding
-
-
-def _is_decode(r: RowPlan) -> bool:
-    return r.q_end - r.q_start == 1 and r.context_len >= r.plan.num_prompt_tokens
+    window_rows: list[WindowRow] = field(default_factory=list)
+    stage1_rows: list[Stage1Row] = field(default_factory=list)
+    # Tokens after a prompt's end inside a multi-token chunk, in order.
+    recompute: list[HsaRows] = field(default_factory=list)
+    decode: HsaRows | None = None
 
 
 class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
@@ -142,6 +232,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings: RocketKVSettings = settings_from_vllm_config(vllm_config)
+        native = native_for_config(vllm_config)
+        self.native = native.backend.get_builder_cls()(
+            kv_cache_spec, layer_names, vllm_config, device)
+        self.reorder_batch_threshold = self.native.reorder_batch_threshold
+        self.use_triton = uses_triton(self.settings)
+        self.max_select = max(max_topk(self.settings) // self.settings.page_size, 1)
         self._plans: dict[int, RequestPlan] = {}
 
     def _plan(self, num_prompt_tokens: int) -> RequestPlan:
@@ -158,68 +254,106 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         fast_build: bool = False,
     ) -> RocketKVMetadata:
         cm = common_attn_metadata
+        # The R-SWA field carries prompt lengths to us only; the native
+        # backend must not apply the marker window.
+        native_cm = cm.replace(rswa_prefix_lens=None)
+        md = RocketKVMetadata(native=None, num_actual_tokens=cm.num_actual_tokens)
         if cm.rswa_prefix_lens is None:
-            raise RuntimeError(
-                "ROCKETKV needs per-request prompt lengths, but vLLM passed none: "
-                "was the engine configured through the rocketkv_vllm plugin?"
-            )
+            # Dummy / capture batches carry no prompt lengths: all dense.
+            md.native = self.native.build(common_prefix_len, native_cm, fast_build)
+            return md
+
         num_reqs = cm.num_reqs
+        w = self.settings.window_size
         qsl = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
-        seq_lens = (
-            cm.seq_lens_cpu_upper_bound
-            if cm.seq_lens_cpu_upper_bound is not None
-            else cm.seq_lens
-        )[:num_reqs].tolist()
+        seq_lens_cpu = (cm.seq_lens_cpu_upper_bound
+                        if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens)
+        seq_lens = seq_lens_cpu[:num_reqs].tolist()
         prompt_lens = cm.rswa_prefix_lens[:num_reqs].tolist()
-        rows = []
+        block_table = cm.block_table_tensor
+        neutral_rows, neutral_lens = [], []
+        decode_rows = []
         for i in range(num_reqs):
             q_start, q_end = qsl[i], qsl[i + 1]
-            if q_end == q_start:
+            q_len = q_end - q_start
+            if q_len == 0:
                 continue  # padding row
-            rows.append(RowPlan(
-                row=i,
-                q_start=q_start,
-                q_end=q_end,
-                context_len=seq_lens[i] - (q_end - q_start),
-                seq_len=seq_lens[i],
-                plan=self._plan(int(prompt_lens[i])),
-            ))
-        device = cm.block_table_tensor.device
-        positions = torch.empty(cm.num_actual_tokens, dtype=torch.long)
-        for r in rows:
-            positions[r.q_start : r.q_end] = torch.arange(r.context_len, r.seq_len)
-        hsa_rows = [r for r in rows if _is_decode(r) and r.plan.compress]
-        dense_rows = [r for r in rows if _is_decode(r) and not r.plan.compress]
-        return RocketKVMetadata(
-            num_actual_tokens=cm.num_actual_tokens,
-            max_seq_len=cm.max_seq_len,
-            slot_mapping=cm.slot_mapping,
-            block_table=cm.block_table_tensor,
-            positions=positions.to(device),
-            rows=[r for r in rows if not _is_decode(r)],
-            hsa_batch=self._batch(hsa_rows, cm.block_table_tensor),
-            dense_batch=self._batch(dense_rows, cm.block_table_tensor),
-        )
+            plan = self._plan(int(prompt_lens[i]))
+            if not plan.compress:
+                continue
+            seq_len = seq_lens[i]
+            context_len = seq_len - q_len
+            n = plan.num_prompt_tokens
+            if seq_len < n:
+                if seq_len > n - w:
+                    md.window_rows.append(WindowRow(
+                        q_start, q_end, context_len, block_table[i], plan))
+                continue
+            if context_len < n:
+                md.stage1_rows.append(Stage1Row(
+                    q_start, q_end, context_len, block_table[i], plan))
+                stats.COUNTERS.prompts_compressed += 1
+                stats.COUNTERS.prompt_tokens_evicted += n - plan.prompt_budget
+                first_after = q_start + n - context_len
+            else:
+                # Entirely after the prompt: the native call attends over a
+                # q_len-token context only (output overwritten here).
+                neutral_rows.append(i)
+                neutral_lens.append(q_len)
+                if q_len == 1:
+                    decode_rows.append((i, q_start, seq_len, plan))
+                    continue
+                first_after = q_start
+            for t in range(first_after, q_end):
+                md.recompute.append(self._hsa_rows(
+                    [(i, t, seq_len - (q_end - 1 - t), plan)], block_table))
+        if decode_rows:
+            md.decode = self._hsa_rows(decode_rows, block_table)
+            stats.COUNTERS.decode_tokens_compressed += len(decode_rows)
+        if neutral_rows:
+            rows = torch.tensor(neutral_rows, dtype=torch.long)
+            lens = torch.tensor(neutral_lens, dtype=cm.seq_lens.dtype)
+            seq = cm.seq_lens.clone()
+            seq[rows.to(seq.device)] = lens.to(seq.device)
+            upper = None
+            if cm.seq_lens_cpu_upper_bound is not None:
+                upper = cm.seq_lens_cpu_upper_bound.clone()
+                upper[rows] = lens
+            native_cm = native_cm.replace(seq_lens=seq, seq_lens_cpu_upper_bound=upper)
+        md.native = self.native.build(common_prefix_len, native_cm, fast_build)
+        return md
 
-    @staticmethod
-    def _batch(rows: list[RowPlan], block_table: torch.Tensor) -> DecodeBatch | None:
-        if not rows:
-            return None
+    def _hsa_rows(self, rows, block_table: torch.Tensor) -> HsaRows:
+        """rows: (batch row, token index, seq_len incl. the token, plan)."""
+        s = self.settings
         device = block_table.device
 
         def col(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32).to(device)
 
-        return DecodeBatch(
-            rows=rows,
-            tokens=col([r.q_start for r in rows]).long(),
-            block_table=block_table[col([r.row for r in rows]).long()],
-            seq_lens=col([r.seq_len for r in rows]),
-            num_compact=col([r.plan.num_compact for r in rows]),
-            tail_start=col([r.plan.tail_start for r in rows]),
-            topk=col([r.plan.topk for r in rows]),
-            topr=col([r.plan.topr for r in rows]),
+        plans = [r[3] for r in rows]
+        seq_lens = [r[2] for r in rows]
+        view_pages = [cdiv(p.num_compact, s.page_size)
+                      + cdiv(seq - p.tail_start, s.page_size)
+                      for p, seq in zip(plans, seq_lens)]
+        hsa = HsaRows(
+            tokens=col([r[1] for r in rows]).long(),
+            block_table=block_table[col([r[0] for r in rows]).long()],
+            num_compact=col([p.num_compact for p in plans]),
+            tail_start=col([p.tail_start for p in plans]),
+            seq_lens=col(seq_lens),
+            topk=col([p.topk for p in plans]),
+            topr=col([p.topr for p in plans]),
+            num_select=col([max(p.topk // s.page_size, 1) for p in plans]),
+            max_pages=max(view_pages),
+            max_select=self.max_select,
+            pages=None,
         )
+        if not self.use_triton:
+            hsa.pages = batched.view_pages(
+                hsa.block_table, hsa.num_compact, hsa.tail_start, hsa.seq_lens,
+                s.page_size, s.block_size, hsa.max_pages)
+        return hsa
 
 
 class RocketKVImpl(AttentionImpl):
@@ -256,19 +390,25 @@ class RocketKVImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         vllm_config = get_current_vllm_config()
         self.settings = s = settings_from_vllm_config(vllm_config)
+        choice = native_for_config(vllm_config)
+        self.kv_layout = choice.kv_layout
+        self.native = choice.backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+        )
         self.use_triton = uses_triton(s)
         self._ops = paged
         if self.use_triton:
             from rocketkv_vllm import triton_ops
 
             self._ops = triton_ops
-        # Fixed per engine so the decode launch shapes never depend on data.
-        self.max_pages = cdiv(vllm_config.model_config.max_model_len, s.page_size) + 1
-        self.max_select = max(max_topk(s) // s.page_size, 1)
         # Window queries of a prompt whose window spans several prefill
         # chunks, keyed by the request's first block id (stable while the
         # request holds its blocks), until the chunk with the prompt's end.
         self._window_queries: dict[int, torch.Tensor] = {}
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        self.native.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(
         self,
@@ -286,146 +426,93 @@ class RocketKVImpl(AttentionImpl):
             raise NotImplementedError("ROCKETKV does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output
+        md = attn_metadata
+        self.native.forward(layer, query, key, value, kv_cache, md.native, output)
+        if not (md.window_rows or md.stage1_rows or md.recompute or md.decode is not None):
+            return output
         s = self.settings
-        n = attn_metadata.num_actual_tokens
+        n = md.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
-        key = key[:n].view(n, self.num_kv_heads, self.head_size)
-        value = value[:n].view(n, self.num_kv_heads, self.head_size)
+        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
         kt_cache = paged.kt_cache_view(kv_cache, s.page_size)
-        paged.write_kv(kv_cache, key, value, attn_metadata.slot_mapping[:n])
-
-        for r in attn_metadata.rows:
-            self._prefill_row(r, attn_metadata, query, out, kv_cache, kt_cache)
-        if attn_metadata.hsa_batch is not None:
-            self._decode_compressed(attn_metadata.hsa_batch, query, out, kv_cache,
-                                    kt_cache)
-        if attn_metadata.dense_batch is not None:
-            self._decode_dense(attn_metadata.dense_batch, attn_metadata.max_seq_len,
-                               query, out, kv_cache)
+        for r in md.window_rows:
+            self._keep_window_queries(r, query)
+        for r in md.stage1_rows:
+            plan = r.plan
+            with stats.stage1_timer(query.device):
+                self._ops.snapkv_compress(
+                    k_cache, v_cache, kt_cache, r.block_row,
+                    self._window_for(r, query), plan.num_prompt_tokens,
+                    plan.prompt_budget, plan.tail_start, s.kernel_size,
+                    s.page_size, self.scale,
+                )
+            if s.poison_evicted_blocks:
+                self._poison_evicted(kv_cache, r.block_row, plan)
+        for rows in md.recompute:
+            self._hsa(rows, query, out, k_cache, v_cache, kt_cache)
+        if md.decode is not None:
+            self._hsa(md.decode, query, out, k_cache, v_cache, kt_cache)
         return output
 
-    def _prefill_row(self, r: RowPlan, md, query, out, kv_cache, kt_cache) -> None:
-        """A request with several new tokens, or any token of a prompt."""
+    def _hsa(self, rows: HsaRows, query, out, k_cache, v_cache, kt_cache) -> None:
         s = self.settings
-        block_row = md.block_table[r.row]
-        positions = md.positions[r.q_start : r.q_end]
-        q = query[r.q_start : r.q_end]
-        plan = r.plan
-        n_prompt = plan.num_prompt_tokens
-        if not plan.compress or r.seq_len < n_prompt:
-            # Dense: short prompts always, long prompts until their end.
-            out[r.q_start : r.q_end] = paged.dense_attention(
-                q, positions, kv_cache, block_row, r.seq_len, self.scale
-            )
-            if plan.compress:
-                self._keep_window_queries(q, positions, block_row, n_prompt)
-            return
-        num_dense = max(0, n_prompt - r.context_len)
-        if num_dense > 0:
-            # This chunk ends the prompt: dense for the prompt part, then
-            # Stage 1 before any later token of the chunk attends.
-            out[r.q_start : r.q_start + num_dense] = paged.dense_attention(
-                q[:num_dense], positions[:num_dense], kv_cache, block_row,
-                n_prompt, self.scale,
-            )
-            window = self._window_for(q[:num_dense], positions[:num_dense],
-                                      block_row, n_prompt)
-            self._ops.snapkv_compress(
-                kv_cache, kt_cache, block_row, window, n_prompt,
-                plan.prompt_budget, plan.tail_start, s.kernel_size,
-                s.page_size, self.scale,
-            )
-            if s.poison_evicted_blocks:
-                self._poison_evicted(kv_cache, kt_cache, block_row, plan)
-        # Tokens after the prompt (recomputed after a preemption): one at a
-        # time, each seeing only its past, as in decoding.
-        for i in range(num_dense, r.q_end - r.q_start):
-            out[r.q_start + i] = self._hsa_one(
-                q[i], kv_cache, kt_cache, block_row, plan, int(positions[i]) + 1)
-
-    def _hsa_one(self, q, kv_cache, kt_cache, block_row, plan, seq_len):
-        s = self.settings
-        if not self.use_triton:
-            return paged.hsa_decode(
-                q, kv_cache, kt_cache, block_row, plan.num_compact, plan.tail_start,
-                seq_len, plan.topk, plan.topr, s.page_size, self.scale,
-                s.force_current_page,
-            )
-        row = RowPlan(0, 0, 1, seq_len - 1, seq_len, plan)
-        batch = RocketKVMetadataBuilder._batch([row], block_row[None])
-        return self._hsa_batch(q[None], batch, kv_cache, kt_cache)[0]
-
-    def _hsa_batch(self, q, batch: DecodeBatch, kv_cache, kt_cache):
-        from rocketkv_vllm import triton_ops
-
-        s = self.settings
-        return triton_ops.hsa_decode_batch(
-            q, kv_cache, kt_cache, batch.block_table, batch.num_compact,
-            batch.tail_start, batch.seq_lens, batch.topk, batch.topr, s.page_size,
-            self.scale, self.max_pages, self.max_select, s.force_current_page,
-        )
-
-    def _decode_compressed(self, batch: DecodeBatch, query, out, kv_cache, kt_cache):
-        if self.use_triton:
-            q = query[batch.tokens]
-            out[batch.tokens] = self._hsa_batch(q, batch, kv_cache, kt_cache)
-            return
-        for r, block_row in zip(batch.rows, batch.block_table):
-            out[r.q_start] = self._hsa_one(
-                query[r.q_start], kv_cache, kt_cache, block_row, r.plan, r.seq_len)
-
-    def _decode_dense(self, batch: DecodeBatch, max_seq_len, query, out, kv_cache):
+        q = query[rows.tokens]
         if self.use_triton:
             from rocketkv_vllm import triton_ops
 
-            out[batch.tokens] = triton_ops.dense_decode(
-                query[batch.tokens], kv_cache, batch.block_table, batch.seq_lens,
-                self.scale, max_seq_len,
+            result = triton_ops.hsa_decode_batch(
+                q, k_cache, v_cache, kt_cache, rows.block_table, rows.num_compact,
+                rows.tail_start, rows.seq_lens, rows.topk, rows.topr, s.page_size,
+                self.scale, rows.max_pages, rows.max_select, s.force_current_page,
             )
-            return
-        for r, block_row in zip(batch.rows, batch.block_table):
-            pos = torch.tensor([r.seq_len - 1], device=query.device)
-            out[r.q_start : r.q_end] = paged.dense_attention(
-                query[r.q_start : r.q_end], pos, kv_cache, block_row, r.seq_len,
-                self.scale,
+        else:
+            result = batched.hsa_decode_batch(
+                q, k_cache, v_cache, kt_cache, rows.block_table, rows.seq_lens,
+                rows.pages, rows.topr, rows.num_select, rows.max_select,
+                s.page_size, self.scale, s.force_current_page,
             )
+        out[rows.tokens] = result.to(out.dtype)
 
-    def _poison_evicted(self, kv_cache, kt_cache, block_row, plan) -> None:
-        """Test aid: NaN-fill the blocks the scheduler is about to take back,
-        so any later read of them shows up as NaN in the output."""
+    def _poison_evicted(self, kv_cache, block_row, plan) -> None:
+        """Test aid: fill the blocks the scheduler is about to take back with
+        huge keys/values (and NaN KT pages), so any later read of them by
+        ROCKETKV changes the output. Finite, because vLLM's kernels read (and
+        mask) the unwritten slots of a request's last block, which may be
+        such a reused block."""
         start, end = plan.freed_block_range(self.settings.block_size)
         blocks = block_row[start:end].long()
-        kv_cache[blocks] = float("nan")
-        kt_cache[blocks] = float("nan")
+        kv_cache[blocks] = 3.0e4
+        paged.kt_cache_view(kv_cache, self.settings.page_size)[blocks] = float("nan")
 
-    def _window_start(self, n_prompt: int) -> int:
-        return n_prompt - self.settings.window_size
+    def _window_queries_here(self, q_start, q_end, context_len, plan, query):
+        """(window offset of the first, queries) of this chunk's window part."""
+        window_start = plan.num_prompt_tokens - self.settings.window_size
+        end = min(q_end, q_start + plan.num_prompt_tokens - context_len)
+        first = max(q_start, q_start + window_start - context_len)
+        return context_len + first - q_start - window_start, query[first:end]
 
-    def _keep_window_queries(self, q, positions, block_row, n_prompt) -> None:
+    def _keep_window_queries(self, r: WindowRow, query) -> None:
         """Remember this chunk's queries that fall in the prompt's window."""
-        start = self._window_start(n_prompt)
-        in_window = positions >= start
-        if not bool(in_window.any()):
-            return
-        key = int(block_row[0])
+        offset, q = self._window_queries_here(
+            r.q_start, r.q_end, r.context_len, r.plan, query)
+        key = int(r.block_row[0])
         buf = self._window_queries.get(key)
-        if buf is None or buf.shape[0] != self.settings.window_size:
+        if buf is None:
             buf = q.new_zeros(self.settings.window_size, *q.shape[1:])
             self._window_queries[key] = buf
-        buf[positions[in_window] - start] = q[in_window]
+        buf[offset : offset + q.shape[0]] = q
 
-    def _window_for(self, q, positions, block_row, n_prompt) -> torch.Tensor:
+    def _window_for(self, r: Stage1Row, query) -> torch.Tensor:
         """The w window queries: earlier chunks' from the buffer, this chunk's."""
-        start = self._window_start(n_prompt)
-        first_here = int(positions[0])
-        here = q[positions >= start]
-        if first_here <= start:
+        offset, here = self._window_queries_here(
+            r.q_start, r.q_end, r.context_len, r.plan, query)
+        if offset == 0:
             return here
-        earlier = self._window_queries.pop(int(block_row[0]), None)
+        earlier = self._window_queries.pop(int(r.block_row[0]), None)
         if earlier is None:
             raise RuntimeError(
                 "ROCKETKV lost the observation-window queries of a request whose "
                 "window spans several prefill chunks"
             )
-        return torch.cat([earlier[: first_here - start], here])
+        return torch.cat([earlier[:offset], here])

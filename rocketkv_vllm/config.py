@@ -50,7 +50,7 @@ class RocketKVConfig:
     force_current_page: bool = True
     kernel: str = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
     free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
-    poison_evicted_blocks: bool = False  # tests: NaN-fill blocks before freeing
+    poison_evicted_blocks: bool = False  # tests: garbage-fill blocks before freeing
     preset: str | None = None
 
 

@@ -27,7 +27,9 @@ logger = init_logger(f"vllm.{__name__}")
 # prompt length only when the model has an R-SWA window; ROCKETKV needs those
 # lengths and sets this marker window (no ROCKETKV layer applies R-SWA).
 RSWA_MARKER_WINDOW = 1 << 30
+
 DEFAULT_BLOCK_SIZE = 16
+
 
 _logged_settings: set[RocketKVSettings] = set()
 # The settings this process resolved last. vLLM asks the backend for its KV

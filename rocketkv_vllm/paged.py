@@ -49,7 +49,7 @@ def kt_cache_view(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
     )
 
 
-KV_LAYOUTS = ("token", "head_rows")
+KV_LAYOUTS = ("token", "head_rows", "cpu_vec")
 
 
 def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +57,9 @@ def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
 
     "token": K|V on the last dim of every token (vLLM's FLASH_ATTN and
     TRITON_ATTN); "head_rows": each head's block is [2 * block_size, d], K
-    rows first, then V rows (vLLM's CPU_ATTN).
+    rows first, then V rows; "cpu_vec": the same halves, but K stored
+    transposed, [d, block_size] (what vLLM's CPU_ATTN writes with its vec
+    and vec16 kernels; the K view's last dim then has stride block_size).
     """
     num_blocks, num_heads, block_size, width = kv_cache.shape
     d = width // 2
@@ -66,6 +68,14 @@ def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
     if layout == "head_rows":
         rows = kv_cache.view(num_blocks, num_heads, 2 * block_size, d)
         return rows[:, :, :block_size], rows[:, :, block_size:]
+    if layout == "cpu_vec":
+        block_stride, head_stride = kv_cache.stride(0), kv_cache.stride(1)
+        shape = (num_blocks, num_heads, block_size, d)
+        offset = kv_cache.storage_offset()
+        k = kv_cache.as_strided(shape, (block_stride, head_stride, 1, block_size), offset)
+        v = kv_cache.as_strided(shape, (block_stride, head_stride, d, 1),
+                                offset + block_size * d)
+        return k, v
     raise ValueError(f"unknown KV layout {layout!r}: allowed {KV_LAYOUTS}")
 
 

@@ -27,22 +27,58 @@ def test_bad_config_fails_at_startup_naming_the_field(model_path):
     assert "rocketkv.prompt_budget" in str(err.value)
 
 
+def _greedy_with_logprobs(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, tokens)]
+                for o, tokens in zip(outs, ids)]
+    return ids, logprobs
+
+
 def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer):
-    """Budget >= prompt: token-for-token equal to vLLM's own CPU backend."""
+    """Budget >= prompt: vLLM's own CPU kernel runs every token, so tokens
+    and their logprobs match CPU_ATTN's to 1e-4 (fp32; same block size)."""
     prompts = [
         _chat(tokenizer, "What is the capital of France? Answer in one sentence."),
         _chat(tokenizer, "Write a short poem about the sea."),
         build_needle_prompt(tokenizer, 1500, 0.5, seed=1).prompt,
         build_needle_prompt(tokenizer, 700, 0.2, seed=2).prompt,
     ]
-    ref = make_llm(model_path, "CPU_ATTN")
-    ref_ids, _ = greedy(ref, prompts, max_tokens=32)
+    ref = make_llm(model_path, "CPU_ATTN", block_size=32)
+    ref_ids, ref_lp = _greedy_with_logprobs(ref, prompts, 32)
     shutdown(ref)
-    ours = make_llm(model_path, "ROCKETKV", {"prompt_budget": 4096})
-    our_ids, _ = greedy(ours, prompts, max_tokens=32)
+    ours = make_llm(model_path, "ROCKETKV", {"prompt_budget": 4096}, block_size=32)
+    our_ids, our_lp = _greedy_with_logprobs(ours, prompts, 32)
     shutdown(ours)
-    for a, b in zip(our_ids, ref_ids):
-        assert list(a) == list(b)
+    assert our_ids == ref_ids
+    for a, b in zip(our_lp, ref_lp):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer):
+    """Short and long prompts together, chunks shared between requests (a
+    long prompt ends inside a chunk that also carries other requests' tokens
+    and decodes): the same tokens as each request alone in one chunk."""
+    prompts = [
+        build_needle_prompt(tokenizer, 1400, 0.3, seed=21).prompt,
+        _chat(tokenizer, "Name three colours."),
+        build_needle_prompt(tokenizer, 2300, 0.7, seed=22).prompt,
+        _chat(tokenizer, "What is two plus two?"),
+        build_needle_prompt(tokenizer, 900, 0.5, seed=23).prompt,
+    ]
+    cfg = {"prompt_budget": 320}
+    alone = make_llm(model_path, "ROCKETKV", cfg, max_num_seqs=1,
+                     max_num_batched_tokens=4096)
+    alone_ids, _ = greedy(alone, prompts, max_tokens=20)
+    shutdown(alone)
+    mixed = make_llm(model_path, "ROCKETKV", cfg, max_num_seqs=8,
+                     max_num_batched_tokens=384)
+    mixed_ids, _ = greedy(mixed, prompts, max_tokens=20)
+    shutdown(mixed)
+    assert [list(t) for t in mixed_ids] == [list(t) for t in alone_ids]
 
 
 NEEDLE_CASES = [(n, d) for n in (2000, 4000, 7000) for d in (0.1, 0.5, 0.9)]

@@ -55,14 +55,14 @@ def test_freed_blocks_are_never_read_and_nothing_leaks(model_path):
     cfg = {"prompt_budget": 256}
     ample = bench.run_capacity(model_path, "ROCKETKV", prompts, 1 << 30,
                                dict(cfg, free_evicted_blocks=False), max_tokens=20,
-                               max_model_len=4096)
+                               max_model_len=4096, dtype="float32")
     # Room for ~4200 tokens with KT pages (5300 without; the engine needs one
     # max_model_len request);
     # the six prompts need about 9700.
     tight_bytes = bench.kv_bytes_for_tokens(model_path, 5300, 4)
     tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes,
                                dict(cfg, poison_evicted_blocks=True), max_tokens=20,
-                               max_model_len=4096)
+                               max_model_len=4096, dtype="float32")
     assert tight.finished == ample.finished == len(prompts)
     assert tight.outputs == ample.outputs
     # The tight cache only fits everything because blocks were given back.

@@ -1,0 +1,189 @@
+"""Stage 2 (HSA) for a whole batch of decode tokens in PyTorch.
+
+The same math as ``paged.hsa_decode`` (its oracle), for every compressed
+decode row of a step at once: no per-request Python loop, no host sync, a
+fixed number of tensor ops per layer. This is the fast path where Triton has
+no backend (vLLM's CPU build); the NVIDIA path runs the Triton kernels.
+
+A row's view pages (compact pages first, then tail pages, see ``paged``) are
+listed once per step by ``view_pages`` and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ViewPages:
+    """Every page of every row's view, padded to the batch's longest view.
+
+    block, page: [B, P] physical block id and page index inside it;
+    tokens: [B, P] tokens of the page that belong to the view (0 = padding);
+    current: [B] index of the page holding the row's newest token.
+    """
+
+    block: torch.Tensor
+    page: torch.Tensor
+    tokens: torch.Tensor
+    current: torch.Tensor
+
+
+def view_pages(
+    block_table: torch.Tensor,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    block_size: int,
+    max_pages: int,
+) -> ViewPages:
+    """Pages of each row's view; max_pages (a Python int) >= every row's
+    ceil(num_compact / ps) + ceil((seq_len - tail_start) / ps)."""
+    device = block_table.device
+    nc, ts, sl = (t.long()[:, None] for t in (num_compact, tail_start, seq_lens))
+    compact_pages = (nc + page_size - 1) // page_size
+    j = torch.arange(max_pages, device=device)[None, :]
+    in_compact = j < compact_pages
+    start = torch.where(in_compact, j * page_size,
+                        ts + (j - compact_pages) * page_size)
+    end = torch.where(in_compact, nc, sl)
+    tokens = (end - start).clamp(0, page_size)
+    start = start.clamp(0, block_table.shape[1] * block_size - 1)
+    block = block_table.long().gather(1, start // block_size)
+    page = (start % block_size) // page_size
+    last = sl - 1
+    current = compact_pages[:, 0] + (last[:, 0] - ts[:, 0]) // page_size
+    return ViewPages(block, page, tokens, current)
+
+
+def update_kt(
+    k_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Fold each row's newest key (slot seq_len - 1, already stored) into its
+    page's min/max; a token that opens a page starts it afresh."""
+    d = k_cache.shape[-1]
+    block_size = k_cache.shape[2]
+    pos = seq_lens.long() - 1
+    block = block_table.long().gather(1, (pos // block_size)[:, None])[:, 0]
+    offset = pos % block_size
+    page = offset // page_size
+    key = k_cache[block, :, offset].to(kt_cache.dtype)  # [B, Hkv, d]
+    old = kt_cache[block, :, page]  # [B, Hkv, 2d]
+    fresh = (pos % page_size == 0)[:, None, None]
+    kmin = torch.where(fresh, key, torch.minimum(old[..., :d], key))
+    kmax = torch.where(fresh, key, torch.maximum(old[..., d:], key))
+    kt_cache[block, :, page] = torch.cat([kmin, kmax], dim=-1)
+
+
+def select_pages(
+    query: torch.Tensor,
+    kt_cache: torch.Tensor,
+    pages: ViewPages,
+    topr: torch.Tensor,
+    num_select: torch.Tensor,
+    max_select: int,
+    force_current_page: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top pages per row and KV head: (indices into the view [B, Hkv, n],
+    valid [B, Hkv, n]), n = min(max_select, P); row b uses its first
+    num_select[b] (the SparQ-tempered, group-averaged page softmax of
+    ``algorithm.hsa_select_pages``)."""
+    batch, num_q_heads, d = query.shape
+    num_kv_heads = kt_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(batch, num_kv_heads, group, d)
+    # Channels: each row's top-r of the group's summed |q|, as a 0/1 mask.
+    order = q.abs().sum(2).argsort(dim=-1, descending=True)  # [B, Hkv, d]
+    ranks = torch.arange(d, device=q.device).expand(batch, num_kv_heads, d)
+    chosen = torch.zeros_like(order, dtype=torch.bool).scatter_(
+        -1, order, ranks < topr.long()[:, None, None])
+    positive = (q.sum(2) > 0)[:, :, None, :]  # [B, Hkv, 1, d]
+    q_r = q * chosen[:, :, None, :]
+    # Upper bound per channel: q * max where the group's sign is positive,
+    # q * min elsewhere; one product with the page's [min | max] row.
+    q_bound = torch.cat([q_r * ~positive, q_r * positive], dim=-1)  # [B, Hkv, G, 2d]
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    kt = kt_cache[pages.block[:, None, :], heads, pages.page[:, None, :]]
+    scores = torch.matmul(q_bound, kt.float().transpose(-1, -2))  # [B, Hkv, G, P]
+    tau = torch.sqrt(d * q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30))
+    logits = scores / tau.clamp_min(1e-30)[..., None]
+    valid_page = pages.tokens > 0  # [B, P]
+    logits = logits.masked_fill(~valid_page[:, None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1).mean(dim=2)  # [B, Hkv, P]
+    if force_current_page:
+        probs = probs.scatter(2, pages.current[:, None, None].expand(
+            batch, num_kv_heads, 1), 2.0)
+    # Padding pages sort last (below every real page's probability >= 0).
+    probs = probs.masked_fill(~valid_page[:, None, :], -1.0)
+    n = min(max_select, probs.shape[-1])
+    top = probs.topk(n, dim=-1).indices  # [B, Hkv, n]
+    rank_ok = torch.arange(n, device=q.device) < num_select.long()[:, None, None]
+    valid = rank_ok & valid_page[:, None, :].expand_as(probs).gather(2, top)
+    return top, valid
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: ViewPages,
+    top: torch.Tensor,
+    valid: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Exact attention of each row's queries over its selected pages' tokens.
+    Returns [B, Hq, d] in fp32."""
+    batch, num_q_heads, d = query.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    n = top.shape[-1]
+    block = pages.block[:, None, :].expand(-1, num_kv_heads, -1).gather(2, top)
+    first = pages.page[:, None, :].expand(-1, num_kv_heads, -1).gather(2, top)
+    count = pages.tokens[:, None, :].expand(-1, num_kv_heads, -1).gather(2, top)
+    j = torch.arange(page_size, device=query.device)
+    slot = first[..., None] * page_size + j  # [B, Hkv, n, ps]
+    heads = torch.arange(num_kv_heads, device=query.device)[None, :, None, None]
+    blocks = block[..., None].expand_as(slot)
+    keys = k_cache[blocks, heads, slot].reshape(batch, num_kv_heads, n * page_size, d)
+    values = v_cache[blocks, heads, slot].reshape(batch, num_kv_heads, n * page_size, d)
+    ok = (valid[..., None] & (j < count[..., None])).reshape(batch, num_kv_heads, -1)
+    q = query.float().view(batch, num_kv_heads, group, d)
+    logits = torch.einsum("bkgd,bktd->bkgt", q, keys.float()) * scale
+    logits = logits.masked_fill(~ok[:, :, None, :], float("-inf"))
+    # Slots outside the view may hold anything (NaN too): zero them, as 0 * NaN
+    # would poison the sum.
+    values = values.float().masked_fill(~ok[..., None], 0.0)
+    out = torch.einsum("bkgt,bktd->bkgd", logits.softmax(-1), values)
+    return out.reshape(batch, num_q_heads, d)
+
+
+def hsa_decode_batch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    pages: ViewPages,
+    topr: torch.Tensor,
+    num_select: torch.Tensor,
+    max_select: int,
+    page_size: int,
+    scale: float,
+    force_current_page: bool,
+) -> torch.Tensor:
+    """Stage 2 for one decode token per row: KT update, page choice, sparse
+    attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype."""
+    update_kt(k_cache, kt_cache, block_table, seq_lens, page_size)
+    top, valid = select_pages(query, kt_cache, pages, topr, num_select, max_select,
+                              force_current_page)
+    out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale)
+    return out.to(query.dtype)
