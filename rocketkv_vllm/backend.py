@@ -25,11 +25,12 @@ import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.logger import init_logger
-from vllm.utils.math_utils import cdiv
+from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -202,6 +203,7 @@ class Stage1Row:
     context_len: int
     block_row: torch.Tensor
     plan: RequestPlan
+    key: int  # the request's window-query buffer (stable while it runs)
 
 
 @dataclass
@@ -213,6 +215,7 @@ class WindowRow:
     context_len: int
     block_row: torch.Tensor
     plan: RequestPlan
+    key: int  # the request's window-query buffer (stable while it runs)
 
 
 @dataclass
@@ -224,6 +227,46 @@ class RocketKVMetadata:
     # Tokens after a prompt's end inside a multi-token chunk, in order.
     recompute: list[HsaRows] = field(default_factory=list)
     decode: HsaRows | None = None
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class PromptLengths:
+    """Each batch row's prompt length, on the host, without waiting for the
+    device on ordinary steps.
+
+    vLLM hands the lengths over in ``rswa_prefix_lens`` (see engine_config):
+    a host tensor under the V1 model runner, a device tensor under Model
+    Runner V2, which also gives each row's slot in its request table
+    (``req_idx``). So under V2 lengths are remembered per slot and read from
+    the device only in a step where a slot holds a request not seen before
+    (its first chunk has no computed tokens: prefix caching is off); such a
+    step runs a prompt chunk anyway.
+    """
+
+    def __init__(self) -> None:
+        self._by_slot = np.full(0, -1, dtype=np.int64)
+        self.device_reads = 0  # tests: how often the device was waited for
+
+    def get(self, cm: CommonAttentionMetadata, context_lens: np.ndarray) -> np.ndarray:
+        num_reqs = cm.num_reqs
+        src = cm.rswa_prefix_lens[:num_reqs]
+        if cm.req_idx is None:
+            # V1 model runner: a host tensor.
+            return src.cpu().numpy().astype(np.int64)
+        slots = np.asarray(cm.req_idx[:num_reqs], dtype=np.int64)
+        if slots.size and slots.max() >= self._by_slot.size:
+            grown = np.full(max(2 * self._by_slot.size, int(slots.max()) + 1), -1,
+                            dtype=np.int64)
+            grown[: self._by_slot.size] = self._by_slot
+            self._by_slot = grown
+        stale = (context_lens == 0) | (self._by_slot[slots] < 0)
+        if stale.any():
+            self.device_reads += 1
+            self._by_slot[slots[stale]] = src.cpu().numpy()[stale]
+        return self._by_slot[slots]
 
 
 class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
@@ -238,7 +281,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self.reorder_batch_threshold = self.native.reorder_batch_threshold
         self.use_triton = uses_triton(self.settings)
         self.max_select = max(max_topk(self.settings) // self.settings.page_size, 1)
+        self.prompt_lengths = PromptLengths()
         self._plans: dict[int, RequestPlan] = {}
+        # Host staging for the per-step Stage 2 columns comes from torch's
+        # caching pinned allocator, which does not hand a buffer out again
+        # before its non-blocking copy has run.
+        self._pin = is_pin_memory_available() and torch.device(device).type == "cuda"
 
     def _plan(self, num_prompt_tokens: int) -> RequestPlan:
         plan = self._plans.get(num_prompt_tokens)
@@ -258,94 +306,119 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         # backend must not apply the marker window.
         native_cm = cm.replace(rswa_prefix_lens=None)
         md = RocketKVMetadata(native=None, num_actual_tokens=cm.num_actual_tokens)
-        if cm.rswa_prefix_lens is None:
+        if cm.rswa_prefix_lens is None or cm.num_reqs == 0:
             # Dummy / capture batches carry no prompt lengths: all dense.
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
 
         num_reqs = cm.num_reqs
         w = self.settings.window_size
-        qsl = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
-        seq_lens_cpu = (cm.seq_lens_cpu_upper_bound
-                        if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens)
-        seq_lens = seq_lens_cpu[:num_reqs].tolist()
-        prompt_lens = cm.rswa_prefix_lens[:num_reqs].tolist()
+        qsl = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
+        q_lens = np.diff(qsl)
+        seq_src = (cm.seq_lens_cpu_upper_bound
+                   if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens)
+        seq_lens = seq_src[:num_reqs].cpu().numpy().astype(np.int64)
+        context_lens = seq_lens - q_lens
+        prompt_lens = self.prompt_lengths.get(cm, context_lens)
+        plans = [self._plan(int(n)) for n in prompt_lens]
+        compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
+        if not compress.any():
+            md.native = self.native.build(common_prefix_len, native_cm, fast_build)
+            return md
+
         block_table = cm.block_table_tensor
-        neutral_rows, neutral_lens = [], []
-        decode_rows = []
-        for i in range(num_reqs):
-            q_start, q_end = qsl[i], qsl[i + 1]
-            q_len = q_end - q_start
-            if q_len == 0:
-                continue  # padding row
-            plan = self._plan(int(prompt_lens[i]))
-            if not plan.compress:
-                continue
-            seq_len = seq_lens[i]
-            context_len = seq_len - q_len
-            n = plan.num_prompt_tokens
-            if seq_len < n:
-                if seq_len > n - w:
+        after = compress & (context_lens >= prompt_lens)  # wholly after the prompt
+        decode = after & (q_lens == 1)
+        for i in np.flatnonzero(compress & ~after).tolist():
+            plan, n = plans[i], int(prompt_lens[i])
+            q_start, q_end = int(qsl[i]), int(qsl[i + 1])
+            if seq_lens[i] < n:
+                if seq_lens[i] > n - w:
                     md.window_rows.append(WindowRow(
-                        q_start, q_end, context_len, block_table[i], plan))
+                        q_start, q_end, int(context_lens[i]), block_table[i], plan,
+                        self._window_key(cm, i)))
                 continue
-            if context_len < n:
-                md.stage1_rows.append(Stage1Row(
-                    q_start, q_end, context_len, block_table[i], plan))
-                stats.COUNTERS.prompts_compressed += 1
-                stats.COUNTERS.prompt_tokens_evicted += n - plan.prompt_budget
-                first_after = q_start + n - context_len
-            else:
-                # Entirely after the prompt: the native call attends over a
-                # q_len-token context only (output overwritten here).
-                neutral_rows.append(i)
-                neutral_lens.append(q_len)
-                if q_len == 1:
-                    decode_rows.append((i, q_start, seq_len, plan))
-                    continue
-                first_after = q_start
-            for t in range(first_after, q_end):
+            md.stage1_rows.append(Stage1Row(
+                q_start, q_end, int(context_lens[i]), block_table[i], plan,
+                self._window_key(cm, i)))
+            stats.COUNTERS.prompts_compressed += 1
+            stats.COUNTERS.prompt_tokens_evicted += n - plan.prompt_budget
+            # Output tokens recomputed in the same chunk (after a preemption).
+            for t in range(q_start + n - int(context_lens[i]), q_end):
                 md.recompute.append(self._hsa_rows(
-                    [(i, t, seq_len - (q_end - 1 - t), plan)], block_table))
-        if decode_rows:
-            md.decode = self._hsa_rows(decode_rows, block_table)
-            stats.COUNTERS.decode_tokens_compressed += len(decode_rows)
-        if neutral_rows:
-            rows = torch.tensor(neutral_rows, dtype=torch.long)
-            lens = torch.tensor(neutral_lens, dtype=cm.seq_lens.dtype)
+                    np.array([i]), np.array([t]),
+                    np.array([seq_lens[i] - (q_end - 1 - t)]), plans, block_table))
+        for i in np.flatnonzero(after & ~decode).tolist():
+            q_start, q_end = int(qsl[i]), int(qsl[i + 1])
+            for t in range(q_start, q_end):
+                md.recompute.append(self._hsa_rows(
+                    np.array([i]), np.array([t]),
+                    np.array([seq_lens[i] - (q_end - 1 - t)]), plans, block_table))
+        rows = np.flatnonzero(decode)
+        if rows.size:
+            md.decode = self._hsa_rows(rows, qsl[rows], seq_lens[rows], plans,
+                                       block_table)
+            stats.COUNTERS.decode_tokens_compressed += int(rows.size)
+        neutral = np.flatnonzero(after)
+        if neutral.size:
+            # Rows wholly after a compressed prompt: the native call attends
+            # over a q_len-token context only (output overwritten here).
+            idx = torch.from_numpy(neutral)
+            lens = torch.from_numpy(q_lens[neutral]).to(cm.seq_lens.dtype)
             seq = cm.seq_lens.clone()
-            seq[rows.to(seq.device)] = lens.to(seq.device)
+            seq[idx.to(seq.device)] = lens.to(seq.device, non_blocking=True)
             upper = None
             if cm.seq_lens_cpu_upper_bound is not None:
                 upper = cm.seq_lens_cpu_upper_bound.clone()
-                upper[rows] = lens
+                upper[idx] = lens
             native_cm = native_cm.replace(seq_lens=seq, seq_lens_cpu_upper_bound=upper)
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
         return md
 
-    def _hsa_rows(self, rows, block_table: torch.Tensor) -> HsaRows:
-        """rows: (batch row, token index, seq_len incl. the token, plan)."""
+    @staticmethod
+    def _window_key(cm: CommonAttentionMetadata, i: int) -> int:
+        # V2: the request's slot; V1 (host block table): its first block.
+        if cm.req_idx is not None:
+            return int(cm.req_idx[i])
+        return int(cm.block_table_tensor[i, 0])
+
+    def _hsa_rows(self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray,
+                  plans: list[RequestPlan], block_table: torch.Tensor) -> HsaRows:
+        """Stage 2 rows: batch rows, each one's token index in the step and
+        seq_len including that token. One host-to-device copy."""
         s = self.settings
-        device = block_table.device
-
-        def col(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32).to(device)
-
-        plans = [r[3] for r in rows]
-        seq_lens = [r[2] for r in rows]
-        view_pages = [cdiv(p.num_compact, s.page_size)
-                      + cdiv(seq - p.tail_start, s.page_size)
-                      for p, seq in zip(plans, seq_lens)]
+        chosen = [plans[i] for i in rows]
+        num_compact = np.array([p.num_compact for p in chosen], dtype=np.int64)
+        tail_start = np.array([p.tail_start for p in chosen], dtype=np.int64)
+        topk = np.array([p.topk for p in chosen], dtype=np.int64)
+        columns = {
+            "row": rows, "token": tokens, "num_compact": num_compact,
+            "tail_start": tail_start, "seq_len": seq_lens, "topk": topk,
+            "topr": np.array([p.topr for p in chosen], dtype=np.int64),
+            "num_select": np.maximum(topk // s.page_size, 1),
+        }
+        staging = torch.from_numpy(np.stack([columns[name] for name in _HSA_COLUMNS])
+                                   .astype(np.int32))
+        if self._pin:
+            staging = staging.pin_memory()
+        col = staging.to(block_table.device, non_blocking=True)
+        view_pages = (-(-num_compact // s.page_size)
+                      - (-(seq_lens - tail_start) // s.page_size))
+        max_pages = int(view_pages.max())
+        if self.use_triton:
+            # Fewer distinct launch shapes (kernel specializations).
+            max_pages = _pow2_at_least(max_pages)
+        c = dict(zip(_HSA_COLUMNS, col))
         hsa = HsaRows(
-            tokens=col([r[1] for r in rows]).long(),
-            block_table=block_table[col([r[0] for r in rows]).long()],
-            num_compact=col([p.num_compact for p in plans]),
-            tail_start=col([p.tail_start for p in plans]),
-            seq_lens=col(seq_lens),
-            topk=col([p.topk for p in plans]),
-            topr=col([p.topr for p in plans]),
-            num_select=col([max(p.topk // s.page_size, 1) for p in plans]),
-            max_pages=max(view_pages),
+            tokens=c["token"].long(),
+            block_table=block_table[c["row"].long()],
+            num_compact=c["num_compact"],
+            tail_start=c["tail_start"],
+            seq_lens=c["seq_len"],
+            topk=c["topk"],
+            topr=c["topr"],
+            num_select=c["num_select"],
+            max_pages=max_pages,
             max_select=self.max_select,
             pages=None,
         )
@@ -354,6 +427,10 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
                 hsa.block_table, hsa.num_compact, hsa.tail_start, hsa.seq_lens,
                 s.page_size, s.block_size, hsa.max_pages)
         return hsa
+
+
+_HSA_COLUMNS = ("row", "token", "num_compact", "tail_start", "seq_len", "topk",
+                "topr", "num_select")
 
 
 class RocketKVImpl(AttentionImpl):
@@ -405,7 +482,10 @@ class RocketKVImpl(AttentionImpl):
         # Window queries of a prompt whose window spans several prefill
         # chunks, keyed by the request's first block id (stable while the
         # request holds its blocks), until the chunk with the prompt's end.
+        # At most one buffer per running request: the oldest written go
+        # first (requests aborted mid-prompt never reach Stage 1).
         self._window_queries: dict[int, torch.Tensor] = {}
+        self._max_window_buffers = vllm_config.scheduler_config.max_num_seqs
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.native.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -496,11 +576,12 @@ class RocketKVImpl(AttentionImpl):
         """Remember this chunk's queries that fall in the prompt's window."""
         offset, q = self._window_queries_here(
             r.q_start, r.q_end, r.context_len, r.plan, query)
-        key = int(r.block_row[0])
-        buf = self._window_queries.get(key)
+        buf = self._window_queries.pop(r.key, None)
         if buf is None:
             buf = q.new_zeros(self.settings.window_size, *q.shape[1:])
-            self._window_queries[key] = buf
+        self._window_queries[r.key] = buf  # newest last
+        while len(self._window_queries) > self._max_window_buffers:
+            del self._window_queries[next(iter(self._window_queries))]
         buf[offset : offset + q.shape[0]] = q
 
     def _window_for(self, r: Stage1Row, query) -> torch.Tensor:
@@ -509,7 +590,7 @@ class RocketKVImpl(AttentionImpl):
             r.q_start, r.q_end, r.context_len, r.plan, query)
         if offset == 0:
             return here
-        earlier = self._window_queries.pop(int(r.block_row[0]), None)
+        earlier = self._window_queries.pop(r.key, None)
         if earlier is None:
             raise RuntimeError(
                 "ROCKETKV lost the observation-window queries of a request whose "

@@ -94,7 +94,10 @@ def configure_engine(vllm_config) -> None:
     if vllm_config.speculative_config is not None:
         refusals.append("speculative decoding (drafts would be verified "
                         "against a KV cache that eviction already changed)")
-    if vllm_config.kv_transfer_config is not None:
+    if getattr(cache_config, "kv_offloading_size", None) is not None:
+        refusals.append("KV cache offloading (kv_offloading_size: offloaded "
+                        "blocks would miss ROCKETKV's compaction and KT pages)")
+    elif vllm_config.kv_transfer_config is not None:
         refusals.append("KV connectors / disaggregated prefill (a transferred "
                         "cache would miss ROCKETKV's compaction and KT pages)")
     if model_config.rswa_window not in (None, RSWA_MARKER_WINDOW):

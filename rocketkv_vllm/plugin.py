@@ -10,9 +10,11 @@ the ``vllm.general_plugins`` entry point; every step is idempotent.
    resolves; a run-time-added member would not.
 2. The platform's ``check_and_update_config`` is wrapped so ROCKETKV engines
    are validated and adjusted at startup (``engine_config.configure_engine``).
-3. On vLLM's CPU platform, which otherwise always picks CPU_ATTN, an explicit
-   ROCKETKV choice is honoured (the only change to CPU backend selection).
-4. ROCKETKV's KV cache spec is registered with its block manager.
+3. An explicit ROCKETKV choice is validated with vLLM's own backend checks
+   on every platform (errors name ROCKETKV) and honoured; on CPU, vLLM would
+   otherwise always pick CPU_ATTN.
+4. Streaming-input sessions are refused per request (``_refuse_streaming_input``).
+5. ROCKETKV's KV cache spec is registered with its block manager.
 """
 
 from __future__ import annotations
@@ -63,18 +65,60 @@ def _wrap_platform(platform) -> None:
 
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
 
-    if platform.is_cpu():
-        original_select = platform_cls.get_attn_backend_cls.__func__
+    original_select = platform_cls.get_attn_backend_cls.__func__
 
-        def get_attn_backend_cls(cls, selected_backend, attn_selector_config,
-                                 num_heads=None):
-            if is_rocketkv(selected_backend):
-                return BACKEND_PATH
-            return original_select(cls, selected_backend, attn_selector_config,
-                                   num_heads)
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config,
+                             num_heads=None):
+        if is_rocketkv(selected_backend):
+            return validated_backend_path(attn_selector_config)
+        return original_select(cls, selected_backend, attn_selector_config,
+                               num_heads)
 
-        platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     setattr(platform_cls, _PATCHED, True)
+
+
+def validated_backend_path(attn_selector_config) -> str:
+    """vLLM's own backend validation, on every platform, naming ROCKETKV
+    (vLLM's CPU selection validates nothing, NVIDIA's would say CUSTOM)."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from rocketkv_vllm.backend import RocketKVBackend
+
+    capability = current_platform.get_device_capability() or DeviceCapability(0, 0)
+    reasons = RocketKVBackend.validate_configuration(
+        device_capability=capability, **attn_selector_config._asdict())
+    if reasons:
+        raise ValueError(
+            f"ROCKETKV attention backend is not valid for this configuration "
+            f"({attn_selector_config}): {'; '.join(reasons)}")
+    return BACKEND_PATH
+
+
+def _refuse_streaming_input() -> None:
+    """Streaming-input sessions grow a live request's prompt; after
+    compaction ROCKETKV would attend over blocks it gave back. Refused per
+    request with a validation error (HTTP 400), the engine keeps serving."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor, _PATCHED, False):
+        return
+    original = InputProcessor.process_inputs
+
+    def process_inputs(self, *args, **kwargs):
+        attention = getattr(self.vllm_config, "attention_config", None)
+        if (kwargs.get("resumable") and attention is not None
+                and is_rocketkv(attention.backend)):
+            raise VLLMValidationError(
+                "ROCKETKV attention backend does not support streaming input "
+                "sessions (a live request's prompt would grow after its KV "
+                "cache was compressed)", parameter="prompt")
+        return original(self, *args, **kwargs)
+
+    InputProcessor.process_inputs = process_inputs
+    setattr(InputProcessor, _PATCHED, True)
 
 
 def register() -> None:
@@ -84,4 +128,5 @@ def register() -> None:
 
     _register_backend()
     _wrap_platform(current_platform)
+    _refuse_streaming_input()
     register_kv_cache_spec()

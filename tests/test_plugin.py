@@ -6,6 +6,8 @@ import pickle
 import subprocess
 import sys
 
+import pytest
+
 from rocketkv_vllm.plugin import BACKEND_PATH, register
 
 
@@ -45,15 +47,70 @@ def test_cpu_platform_honours_an_explicit_rocketkv_choice():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     assert current_platform.is_cpu()
-    chosen = current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, None)
+    chosen = current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM,
+                                                   _selector())
     assert chosen == BACKEND_PATH
     # Everything else still goes the CPU platform's own way.
     assert current_platform.get_attn_backend_cls(None, _selector()) != BACKEND_PATH
 
 
-def _selector():
+def _selector(**kw):
     import torch
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    return AttentionSelectorConfig(head_size=64, dtype=torch.float32,
-                                   kv_cache_dtype=None, block_size=16)
+    args = dict(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=16)
+    args.update(kw)
+    return AttentionSelectorConfig(**args)
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (dict(head_size=80), "head_size not supported"),
+    (dict(block_size=8), "block_size not supported"),
+    (dict(use_mla=True), "MLA not supported"),
+])
+def test_vllm_backend_validation_runs_on_cpu_and_names_rocketkv(bad, reason):
+    """vLLM's CPU selection validates nothing; ROCKETKV runs vLLM's own
+    backend checks on every platform, with its own name in the error."""
+    register()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    with pytest.raises(ValueError) as err:
+        current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM,
+                                              _selector(**bad))
+    assert "ROCKETKV" in str(err.value) and reason in str(err.value)
+
+
+def _engine_config(model_path, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model_path, attention_backend="ROCKETKV", dtype="float32",
+                      max_model_len=4096, enforce_eager=True, **kw).create_engine_config()
+
+
+def test_streaming_input_sessions_are_refused_per_request(model_path):
+    """A streaming-input session would grow a compressed request's prompt:
+    vLLM's own input processor refuses it with a validation error (a 400 at
+    the server), and ordinary requests still pass."""
+    register()
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    processor = InputProcessor(_engine_config(model_path))
+    prompt = {"prompt_token_ids": list(range(1, 40))}
+    with pytest.raises(VLLMValidationError) as err:
+        processor.process_inputs(request_id="s", prompt=prompt, params=SamplingParams(),
+                                 supported_tasks=("generate",), resumable=True)
+    assert "ROCKETKV" in str(err.value) and "streaming" in str(err.value)
+    request = processor.process_inputs(request_id="r", prompt=prompt,
+                                       params=SamplingParams(),
+                                       supported_tasks=("generate",))
+    assert request.prompt_token_ids == prompt["prompt_token_ids"]
+
+
+def test_kv_offloading_is_refused_at_startup(model_path):
+    register()
+    with pytest.raises(Exception) as err:
+        _engine_config(model_path, kv_offloading_size=1.0)
+    assert "ROCKETKV" in str(err.value) and "offloading" in str(err.value)

@@ -1,0 +1,193 @@
+"""The metadata builder as both of vLLM's model runners call it.
+
+The CPU build runs the V1 model runner (prompt lengths in a host tensor);
+NVIDIA defaults to Model Runner V2, which passes no prompt lengths for dummy
+and CUDA-graph capture batches, and a device tensor plus each row's request
+slot (``req_idx``) otherwise. These tests build ``CommonAttentionMetadata``
+exactly that way and check what the builder plans, that V2 steps without a
+new request never read the lengths back from the device, and that the
+decode rows it builds give the per-request oracle's Stage 2 output.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from rocketkv_vllm import batched, paged
+from rocketkv_vllm.config import plan_request
+
+BS = 16
+HKV, G, D = 3, 3, 64
+
+
+@pytest.fixture(scope="module")
+def builder(model_path):
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from rocketkv_vllm import plugin
+    from rocketkv_vllm.backend import RocketKVBackend, RocketKVMetadataBuilder
+
+    plugin.register()
+    cfg = EngineArgs(
+        model=model_path, attention_backend="ROCKETKV", dtype="float32",
+        max_model_len=8192, enforce_eager=True,
+        additional_config={"rocketkv": {"token_budget": 256}},
+    ).create_engine_config()
+    with set_current_vllm_config(cfg):
+        spec = RocketKVBackend.customize_spec(FullAttentionSpec(
+            block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32))
+        return RocketKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg,
+                                       torch.device("cpu"))
+
+
+class Lens(torch.Tensor):
+    """A prompt-length tensor that records every read of its values, standing
+    in for V2's device tensor (reading it would wait for the device)."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.tolist,
+                    torch.Tensor.item, torch.Tensor.__int__):
+            Lens.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _cm(rows, block_table, prompt_lens="v2", req_idx=None):
+    """rows: (context_len, q_len, prompt_len) per request."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q_lens = [q for _, q, _ in rows]
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    seq = torch.tensor([c + q for c, q, _ in rows], dtype=torch.int32)
+    lens = None
+    if prompt_lens is not None:
+        lens = torch.tensor([p for _, _, p in rows], dtype=torch.int32)
+        if prompt_lens == "v2":
+            lens = lens.as_subclass(Lens)
+    n = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq,
+        seq_lens_cpu_upper_bound=seq.clone(), num_reqs=len(rows),
+        num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=int(seq.max()),
+        block_table_tensor=block_table[: len(rows)],
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        rswa_prefix_lens=lens,
+        req_idx=None if req_idx is None else np.array(req_idx, dtype=np.int32),
+    )
+
+
+def _block_table(num_reqs):
+    return torch.arange(num_reqs * 512, dtype=torch.int32).view(num_reqs, 512) + 1
+
+
+def test_capture_and_dummy_batches_without_prompt_lengths_are_dense(builder):
+    # V2's make_dummy / capture: prompt lengths None, no request slots.
+    md = builder.build(0, _cm([(3000, 1, 3000), (0, 8, 8)], _block_table(2),
+                              prompt_lens=None))
+    assert md.native is not None
+    assert md.decode is None and not md.stage1_rows and not md.recompute
+
+
+def test_v2_reads_prompt_lengths_only_for_new_requests(builder):
+    s = builder.settings
+    table = _block_table(3)
+    reads = builder.prompt_lengths.device_reads
+    Lens.reads = 0
+    # Step 1: a compressed request decoding, a short one decoding, a long
+    # prompt's first chunk (all three slots new to the builder).
+    md = builder.build(0, _cm([(3000, 1, 3000), (119, 1, 100), (0, 512, 5000)],
+                              table, req_idx=[5, 2, 7]))
+    assert builder.prompt_lengths.device_reads == reads + 1
+    assert Lens.reads == 1
+    plan = plan_request(s, 3000)
+    assert plan.compress and not plan_request(s, 100).compress
+    assert md.decode is not None
+    assert md.decode.tokens.tolist() == [0]
+    assert md.decode.seq_lens.tolist() == [3001]
+    assert md.decode.num_compact.tolist() == [plan.num_compact]
+    assert md.decode.tail_start.tolist() == [plan.tail_start]
+    assert md.decode.topk.tolist() == [plan.topk]
+    assert md.decode.topr.tolist() == [plan.topr]
+    assert torch.equal(md.decode.block_table, table[[0]])
+    assert not md.stage1_rows and not md.window_rows
+
+    # Step 2: same requests, no new one. The device tensor now holds
+    # nonsense: a builder that read it would plan differently.
+    md = builder.build(0, _cm([(3001, 1, 0), (120, 1, 0), (512, 512, 0)],
+                              table, req_idx=[5, 2, 7]))
+    assert builder.prompt_lengths.device_reads == reads + 1
+    assert Lens.reads == 1
+    assert md.decode.seq_lens.tolist() == [3002]
+
+    # Step 3: the long prompt's last chunk (Stage 1 and its window), and
+    # slot 5 reused by a new short request: read again, planned afresh.
+    md = builder.build(0, _cm([(0, 40, 40), (121, 1, 100), (4608, 392, 5000)],
+                              table, req_idx=[5, 2, 7]))
+    assert builder.prompt_lengths.device_reads == reads + 2
+    assert md.decode is None
+    assert [(r.q_start, r.q_end, r.context_len) for r in md.stage1_rows] == [
+        (41, 433, 4608)]
+    assert md.stage1_rows[0].key == 7
+    assert md.stage1_rows[0].plan == plan_request(s, 5000)
+
+
+def test_v1_prompt_lengths_on_the_host(builder):
+    md = builder.build(0, _cm([(3000, 1, 3000), (700, 3, 700)], _block_table(2),
+                              prompt_lens="v1"))
+    plan = plan_request(builder.settings, 700)
+    # Three tokens wholly after a compressed prompt (recomputed after a
+    # preemption): one Stage 2 row each, in order, growing seq_len.
+    assert plan.compress
+    assert [r.tokens.tolist() for r in md.recompute] == [[1], [2], [3]]
+    assert [r.seq_lens.tolist() for r in md.recompute] == [[701], [702], [703]]
+    assert md.decode.tokens.tolist() == [0]
+
+
+def test_decode_rows_drive_stage2_like_the_oracle(builder):
+    """The builder's decode rows through batched Stage 2 (the CPU decode
+    path) give the per-request oracle's output."""
+    s = builder.settings
+    prompts = [3000, 1800, 700]
+    num_blocks = 1 + sum(-(-(n + 4) // BS) for n in prompts)
+    pages = BS // s.page_size
+    block_elems = HKV * BS * 2 * D + HKV * pages * 2 * D
+    storage = torch.full((num_blocks * block_elems,), float("nan"))
+    kv = torch.as_strided(storage, (num_blocks, HKV, BS, 2 * D),
+                          (block_elems, BS * 2 * D, 2 * D, 1))
+    k, v = paged.split_kv(kv, "cpu_vec")
+    kt = paged.kt_cache_view(kv, s.page_size)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.zeros(len(prompts), 512, dtype=torch.int32)
+    first = 1
+    for i, n in enumerate(prompts):
+        nb = -(-(n + 4) // BS)
+        table[i, :nb] = torch.arange(first, first + nb)
+        first += nb
+        slots = torch.arange(n + 1)
+        row = table[i].long()
+        paged.write_kv(k, v, torch.randn(n + 1, HKV, D, generator=gen),
+                       torch.randn(n + 1, HKV, D, generator=gen),
+                       row[slots // BS] * BS + slots % BS)
+        plan = plan_request(s, n)
+        assert plan.compress
+        q_win = torch.randn(s.window_size, HKV * G, D, generator=gen)
+        paged.snapkv_compress(k, v, kt, row, q_win, n, plan.prompt_budget,
+                              plan.tail_start, s.kernel_size, s.page_size, D**-0.5)
+    md = builder.build(0, _cm([(n, 1, n) for n in prompts], table, req_idx=[10, 11, 12]))
+    rows = md.decode
+    query = torch.randn(len(prompts), HKV * G, D, generator=gen)
+    oracle_kt = kt.clone()
+    got = batched.hsa_decode_batch(
+        query, k, v, kt, rows.block_table, rows.seq_lens, rows.pages, rows.topr,
+        rows.num_select, rows.max_select, s.page_size, D**-0.5, s.force_current_page)
+    for i, n in enumerate(prompts):
+        plan = plan_request(s, n)
+        want = paged.hsa_decode(
+            query[i], k, v, oracle_kt, table[i].long(), plan.num_compact,
+            plan.tail_start, n + 1, plan.topk, plan.topr, s.page_size, D**-0.5,
+            s.force_current_page)
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
