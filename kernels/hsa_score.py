@@ -11,10 +11,14 @@ Per decode row b and KV head h with query heads q_1..q_G (G = Hq / Hkv):
 * SparQ temperature tau_g = sqrt(d * sum_chosen |q_g| / sum_all |q_g|);
   (16-bit KT: q split in three 16-bit parts, three tensor-core dots with
   exact products, ~fp32 accuracy; fp32 KT: an IEEE fp32 dot);
-  softmax over the row's view pages of s_g / tau_g per query head, averaged
-  over the group -> probs [B, Hkv, max_pages] fp32; entries past the row's
-  page count are -1 (so a top-n over the padded row takes valid pages first);
-  with ``force_current_page`` the page of the newest token gets 2.0.
+  softmax over the row's view pages of s_g / tau_g per query head, each
+  page's term in the denominator weighted by its token count n_p (the
+  reference's softmax over tokens: a partly filled page counts less), so
+  probs[p] = mean_g exp(s_gp / tau_g) / sum_q n_q exp(s_gq / tau_g) is one
+  token's probability -> probs [B, Hkv, max_pages] fp32; entries past the
+  row's page count are -1 (so a top-n over the padded row takes valid pages
+  first); with ``force_current_page`` the page of the newest token gets 2.0
+  and is selected as an extra page (n_use below counts it on top).
 
 The view's pages (see ``paged``): j < npc = ceil(num_compact / ps) start at
 j * ps, the others at tail_start + (j - npc) * ps; P = npc +
@@ -25,12 +29,13 @@ Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
    [s*CHUNK, (s+1)*CHUNK) (CHUNK <= 512 from max_pages, B, Hkv and the SM
    count: a Python-int choice) in tiles of BLOCK_P with one [G_pad, d] x [d,
    BLOCK_P] fp32 dot, stores the tempered logits (log2 units) to a scratch
-   [B, Hkv, G, max_pages] and its partial max / sum-of-exp per query head.
+   [B, Hkv, G, max_pages] and its partial max / token-weighted sum-of-exp
+   per query head.
 2. ``_page_probs_kernel`` grid (B*Hkv, S): merges the S partials, turns its
    chunk of logits into group-averaged probabilities (writes every one of
    the max_pages entries).
-3. selection, n_use[b] = min(max(topk[b] // ps, 1), P[b], n_sel) pages per
-   row: ``_select_pages_kernel`` grid (B*Hkv) -- a bisection on the fp32
+3. selection, n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages
+   per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel`` grid (B*Hkv) -- a bisection on the fp32
    bit patterns finds the n_use-th largest probability, then a cumsum packs
    the winners (ties: lowest page index) -- or ``torch.topk(sorted=True)``
    (its first n_use entries) for rows longer than the kernel's limit.
@@ -140,6 +145,8 @@ def _page_logits_kernel(
         j = p0 + tl.arange(0, BLOCK_P)
         ok = j < hi
         start = tl.where(j < npc, j * PS, ts + (j - npc) * PS)
+        # tokens of each page inside the view (its softmax weight)
+        count = tl.minimum(tl.maximum(tl.where(j < npc, nc, seq) - start, 0), PS)
         blk = tl.load(bt_ptr + b * stride_bt + start // BS, mask=ok, other=0).to(tl.int64)
         base = kt_ptr + blk * stride_tb + h * stride_th + ((start % BS) // PS) * stride_tp
         # Whole min|max rows (vectorised loads; a 32-byte sector holds 16
@@ -160,7 +167,8 @@ def _page_logits_kernel(
         tl.store(row_logits + g[:, None] * max_pages + j[None, :], s, mask=valid)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(
+            tl.exp2(s - m_safe[:, None]) * count.to(tl.float32)[None, :], 1)
         m_i = m_new
     part = (bh * num_splits + split) * G_PAD + g
     tl.store(pm_ptr + part, m_i)
@@ -220,8 +228,9 @@ def hsa_page_probs(
     force_current_page: bool = False,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Group-averaged page probabilities [B, Hkv, max_pages] fp32 (-1 past
-    each row's page count, 2.0 on the forced current page)."""
+    """Group-averaged, token-count weighted page probabilities [B, Hkv,
+    max_pages] fp32 (-1 past each row's page count, 2.0 on the forced
+    current page)."""
     batch, hq, d = query.shape
     _, hkv, pages_per_block, width = kt_cache.shape
     assert width == 2 * d and hq % hkv == 0 and kt_cache.stride(-1) == 1
@@ -272,7 +281,7 @@ def hsa_page_probs(
 @triton.jit
 def _select_pages_kernel(
     probs_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
-    num_kv_heads, max_pages, num_sel,
+    num_kv_heads, max_pages, num_sel, extra,
     PS: tl.constexpr, P_PAD: tl.constexpr,
 ):
     """Row (b, h): write the indices of its n_use highest probabilities
@@ -285,7 +294,7 @@ def _select_pages_kernel(
     bh = tl.program_id(0)
     b = bh // num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1)
+    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1) + extra
     n_use = tl.minimum(tl.minimum(n_want, num_pages), num_sel)
     j = tl.arange(0, P_PAD)
     # pages past the row's view hold -1.0 (a negative bit pattern), as does
@@ -321,10 +330,14 @@ def select_pages(
     topk: torch.Tensor | None = None,
     page_size: int | None = None,
     impl: str = "auto",
+    force_current_page: bool = False,
 ) -> torch.Tensor:
-    """Selected page indices [B, Hkv, n_sel] (n_sel = min(max_select,
-    max_pages)); row b's pages are its first n_use[b] = min(max(topk[b] //
-    page_size, 1), P[b], n_sel) entries, the rest is unspecified.
+    """Selected page indices [B, Hkv, n_sel] (n_sel = min(max_select + f,
+    max_pages), f = 1 with force_current_page, else 0: the forced page, which
+    ``hsa_page_probs`` gave 2.0, comes on top of the top-k pages); row b's
+    pages are its first n_use[b] = min(max(topk[b] // page_size, 1) + f,
+    P[b], n_sel) entries, the rest is unspecified. max_select >= every
+    row's max(topk // page_size, 1).
 
     impl "torch": torch.topk(sorted=True) (best first); "triton": the
     threshold-select kernel (needs the per-row tensors; pages in ascending
@@ -332,7 +345,8 @@ def select_pages(
     MAX_TRITON_SELECT_PAGES.
     """
     max_pages = probs.shape[-1]
-    k = max(1, min(int(max_select), max_pages))
+    extra = 1 if force_current_page else 0
+    k = max(1, min(int(max_select) + extra, max_pages))
     have_rows = topk is not None
     if impl == "auto":
         impl = "triton" if have_rows and max_pages <= MAX_TRITON_SELECT_PAGES else "torch"
@@ -348,7 +362,7 @@ def select_pages(
         return sel
     p_pad = max(16, next_pow2(max_pages))
     _select_pages_kernel[(batch * hkv,)](
-        probs, sel, num_compact, tail_start, seq_lens, topk, hkv, max_pages, k,
+        probs, sel, num_compact, tail_start, seq_lens, topk, hkv, max_pages, k, extra,
         PS=page_size, P_PAD=p_pad, num_warps=4 if p_pad <= 2048 else (8 if p_pad <= 8192 else 16),
     )
     return sel
@@ -362,4 +376,4 @@ def hsa_select(
     probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
                            seq_lens, topr, page_size, max_pages, force_current_page)
     return select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
-                        page_size, impl)
+                        page_size, impl, force_current_page)

@@ -3,8 +3,9 @@
 Every query head of decode row b attends (scale given, fp32 softmax) to the
 tokens of the pages its KV head selected: ``sel [B, Hkv, n_sel]`` holds page
 indices of the row's view (as ``hsa_score.select_pages`` returns them; order
-does not matter); row b uses its first n_use[b] = min(max(topk[b] // ps, 1), P[b],
-n_sel) entries. Tokens of a page past the end of its region (num_compact
+does not matter); row b uses its first n_use[b] = min(max(topk[b] // ps, 1) +
+extra_pages, P[b], n_sel) entries (extra_pages = 1 for a forced current
+page on top of the top-k pages). Tokens of a page past the end of its region (num_compact
 for compact pages, seq_len for tail pages) are masked, so nothing outside
 the view is ever read. K and V are read through two views ``k_cache``,
 ``v_cache`` [num_blocks, Hkv, bs, d], each with its own block / head / slot
@@ -113,7 +114,7 @@ def _load_kv(k_ptr, v_ptr, blk, h, off, ok, d, d_ok,
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
     o_ptr, lse_ptr, out_ptr,
-    num_kv_heads, num_sel, num_splits, tiles_per_split, scale_log2,
+    num_kv_heads, num_sel, num_splits, tiles_per_split, extra, scale_log2,
     stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -125,7 +126,7 @@ def _sparse_decode_kernel(
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1)
+    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1) + extra
     n_use = tl.minimum(tl.minimum(n_want, num_pages), num_sel)
 
     q = _load_q(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, D_PAD)
@@ -235,11 +236,13 @@ def sparse_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_tokens: int = 64,
+    extra_pages: int = 0,
 ) -> torch.Tensor:
     """Exact attention of query [B, Hq, d] over each KV head's selected pages.
 
     sel [B, Hkv, n_sel] integer page indices of the row's view (row b uses
-    its first min(max(topk[b] // page_size, 1), P[b], n_sel)); per-row
+    its first min(max(topk[b] // page_size, 1) + extra_pages, P[b], n_sel));
+    per-row
     scalars are device integer tensors [B]; block_table [B, max_blocks].
     k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary).
     Returns ``out`` [B, Hq, d] (allocated in the cache dtype if not given).
@@ -269,7 +272,7 @@ def sparse_decode(
     _sparse_decode_kernel[(batch * hkv, splits)](
         query, k_cache, v_cache, block_table, sel, num_compact, tail_start, seq_lens,
         topk, o_part, lse_part, out,
-        hkv, num_sel, splits, tiles_per_split, float(scale) * _LOG2E,
+        hkv, num_sel, splits, tiles_per_split, int(extra_pages), float(scale) * _LOG2E,
         query.stride(0), query.stride(1), block_table.stride(0),
         *cache_strides(k_cache), *cache_strides(v_cache),
         out.stride(0), out.stride(1),

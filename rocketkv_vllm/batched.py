@@ -92,9 +92,11 @@ def select_pages(
     force_current_page: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top pages per row and KV head: (indices into the view [B, Hkv, n],
-    valid [B, Hkv, n]), n = min(max_select, P); row b uses its first
-    num_select[b] (the SparQ-tempered, group-averaged page softmax of
-    ``algorithm.hsa_select_pages``)."""
+    valid [B, Hkv, n]), n = min(max_select + f, P) with f = 1 when
+    force_current_page (the current page is an extra page, never one of
+    the num_select), else 0; row b uses its first num_select[b] + f (the
+    SparQ-tempered, group-averaged, token-count weighted page softmax of
+    ``algorithm.hsa_page_probs``)."""
     batch, num_q_heads, d = query.shape
     num_kv_heads = kt_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -116,15 +118,22 @@ def select_pages(
     logits = scores / tau.clamp_min(1e-30)[..., None]
     valid_page = pages.tokens > 0  # [B, P]
     logits = logits.masked_fill(~valid_page[:, None, None, :], float("-inf"))
-    probs = logits.softmax(dim=-1).mean(dim=2)  # [B, Hkv, P]
+    # Softmax over tokens (the reference's): each page's term weighted by
+    # its token count; the result is one token's probability.
+    peak = logits.amax(dim=-1, keepdim=True)
+    expd = torch.exp(logits - peak.masked_fill(peak == float("-inf"), 0.0))
+    denom = torch.matmul(expd, pages.tokens.float()[:, None, :, None])  # [B, Hkv, G, 1]
+    probs = (expd / denom.clamp_min(1e-30)).mean(dim=2)  # [B, Hkv, P]
+    extra = 1 if force_current_page else 0
     if force_current_page:
         probs = probs.scatter(2, pages.current[:, None, None].expand(
             batch, num_kv_heads, 1), 2.0)
     # Padding pages sort last (below every real page's probability >= 0).
     probs = probs.masked_fill(~valid_page[:, None, :], -1.0)
-    n = min(max_select, probs.shape[-1])
+    n = min(max_select + extra, probs.shape[-1])
     top = probs.topk(n, dim=-1).indices  # [B, Hkv, n]
-    rank_ok = torch.arange(n, device=q.device) < num_select.long()[:, None, None]
+    rank_ok = (torch.arange(n, device=q.device)
+               < num_select.long()[:, None, None] + extra)
     valid = rank_ok & valid_page[:, None, :].expand_as(probs).gather(2, top)
     return top, valid
 

@@ -49,7 +49,7 @@ def kt_cache_view(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
     )
 
 
-KV_LAYOUTS = ("token", "head_rows", "cpu_vec")
+KV_LAYOUTS = ("token", "head_rows", "cpu_vec", "cpu_amx")
 
 
 def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +59,9 @@ def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
     TRITON_ATTN); "head_rows": each head's block is [2 * block_size, d], K
     rows first, then V rows; "cpu_vec": the same halves, but K stored
     transposed, [d, block_size] (what vLLM's CPU_ATTN writes with its vec
-    and vec16 kernels; the K view's last dim then has stride block_size).
+    and vec16 kernels; the K view's last dim then has stride block_size);
+    "cpu_amx": CPU_ATTN's AMX tiles (``packed_kv.PackedKV`` accessors, not
+    tensors: the PyTorch path only).
     """
     num_blocks, num_heads, block_size, width = kv_cache.shape
     d = width // 2
@@ -76,6 +78,11 @@ def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         v = kv_cache.as_strided(shape, (block_stride, head_stride, d, 1),
                                 offset + block_size * d)
         return k, v
+    if layout == "cpu_amx":
+        # Tile-packed (CPU_ATTN's AMX kernels): per-token accessors, PyTorch only.
+        from rocketkv_vllm.packed_kv import split_amx
+
+        return split_amx(kv_cache)
     raise ValueError(f"unknown KV layout {layout!r}: allowed {KV_LAYOUTS}")
 
 
@@ -222,9 +229,17 @@ def snapkv_compress(
     """Stage 1 on the paged cache of one request: choose, compact, build KT.
 
     Returns the kept positions [Hkv, prompt_budget] (for tests and stats).
+    With prompt_budget >= num_prompt_tokens every position is kept
+    (tail_start is then num_compact: the view is the whole prompt) and only
+    the KT pages are written.
     """
     n = num_prompt_tokens
     window = q_window.shape[0]
+    if prompt_budget >= n:
+        # Nothing to evict (rocketkv.evict=false): identity selection, no
+        # scoring, no move; only the KT pages of the whole prompt.
+        write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
+        return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
     blocks, offsets = physical_slots(
         block_row, torch.arange(n, device=k_cache.device), k_cache.shape[2])
     keys = k_cache[blocks, :, offsets]
@@ -255,7 +270,11 @@ def hsa_decode(
     force_current_page: bool = False,
 ) -> torch.Tensor:
     """Stage 2 for one token at position seq_len - 1 (its K/V already stored):
-    update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d]."""
+    update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d].
+
+    Page choice: the top max(topk // page_size, 1) pages by the token-count
+    weighted page softmax (``algorithm.hsa_page_probs``); with
+    force_current_page the newest token's page is selected on top of them."""
     d = k_cache.shape[-1]
     block_size = k_cache.shape[2]
     pos = seq_len - 1
@@ -267,17 +286,19 @@ def hsa_decode(
     blocks, offsets = physical_slots(block_row, starts, block_size)
     kt = kt_cache[blocks, :, offsets // page_size]  # [P, Hkv, 2d]
     page_valid = torch.ones(starts.shape[0], dtype=torch.bool, device=starts.device)
+    region_end = torch.where(starts < tail_start, num_compact, seq_len)
+    page_tokens = (region_end - starts).clamp(0, page_size)
     force = None
     if force_current_page:
+        # An extra page: the top max(topk // ps, 1) come from the others.
         force = starts == page_lo
     selected = hsa_select_pages(
         query, kt[..., :d], kt[..., d:], page_valid, topr,
-        max(topk // page_size, 1), force,
+        max(topk // page_size, 1), force, page_tokens,
     )  # [Hkv, P]
 
     # Tokens of the view, page by page; slots past each region's end masked.
     slots = (starts[:, None] + torch.arange(page_size, device=starts.device)).flatten()
-    region_end = torch.where(starts < tail_start, num_compact, seq_len)
     in_view = slots < region_end.repeat_interleave(page_size)
     keys, values = gather_kv(k_cache, v_cache, block_row, slots.clamp_max(seq_len - 1))
     token_mask = selected.repeat_interleave(page_size, dim=1) & in_view[None, :]

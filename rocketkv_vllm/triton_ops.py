@@ -13,7 +13,8 @@ CPU_ATTN; ``paged.split_kv`` makes them from a vLLM cache), the KT cache as
     2. ``_page_logits_kernel``  Triton, grid (B*Hkv, S1)     (+ 3 torch.empty scratch allocs)
     3. ``_page_probs_kernel``   Triton, grid (B*Hkv, S1)
     4. ``_select_pages_kernel`` Triton, grid (B*Hkv)         (+ 1 alloc)
-       [torch.topk(probs, min(max_select, max_pages)) if max_pages > 16384]
+       [torch.topk(probs, min(max_select + f, max_pages)) if max_pages > 16384;
+        f = 1 with force_current_page: the current page is an extra page]
     5. ``_sparse_decode_kernel`` Triton, grid (B*Hkv, S2)    (+ 2 scratch allocs if S2 > 1)
     6. ``_merge_splits_kernel`` Triton, grid (B*Hq)          [only if S2 > 1]
   S1, S2: split counts from B, Hkv, max_pages / max_select and the SM count.
@@ -96,9 +97,15 @@ def snapkv_compress(
     """Stage 1 for one request; same signature and effect as
     ``paged.snapkv_compress`` (kept positions [Hkv, prompt_budget] returned).
     Ties among pooled scores may be broken differently than torch's CPU
-    topk, so the kept set can differ on plateaus (equal scores)."""
+    topk, so the kept set can differ on plateaus (equal scores).
+    prompt_budget >= num_prompt_tokens keeps everything (only KT pages)."""
     n = int(num_prompt_tokens)
     window = q_window.shape[0]
+    if prompt_budget >= n:
+        # Nothing to evict (rocketkv.evict=false): no scoring, no move; the
+        # view is the whole prompt, only its KT pages are written.
+        write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
+        return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
     kept = snapkv_keep_positions(
         k_cache, block_row, q_window, n, prompt_budget, kernel_size,
         min(n - window, tail_start), scale,
@@ -141,7 +148,9 @@ def hsa_decode_batch(
     tail_start, seq_lens, topk, topr: [B] integer tensors on the device.
     max_pages (Python int) >= every row's view page count
     ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps); max_select
-    (Python int) >= every row's max(topk // ps, 1). Rows with seq_lens <= 0
+    (Python int) >= every row's max(topk // ps, 1) (with force_current_page
+    the current page is selected on top of those: the buffers get
+    max_select + 1 entries here). Rows with seq_lens <= 0
     are padding: nothing is written for them and their output is 0.
     select_impl: "auto" (Triton select kernel up to 16384 max_pages, else
     torch.topk), "triton" or "torch".
@@ -151,9 +160,10 @@ def hsa_decode_batch(
     probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
                            seq_lens, topr, page_size, max_pages, force_current_page)
     sel = select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
-                       page_size, select_impl)
+                       page_size, select_impl, force_current_page)
     return sparse_decode(query, k_cache, v_cache, block_table, sel, num_compact, tail_start,
-                         seq_lens, topk, page_size, scale, out=out)
+                         seq_lens, topk, page_size, scale, out=out,
+                         extra_pages=1 if force_current_page else 0)
 
 
 def hsa_decode_batch_reference(

@@ -7,7 +7,7 @@ import torch
 from rocketkv_vllm import batched, paged
 from rocketkv_vllm.config import RequestPlan
 
-NUM_BLOCKS = 160
+NUM_BLOCKS = 210
 
 
 def _cache(hkv, d, bs, ps, layout, storage=None):
@@ -41,12 +41,15 @@ def _compressed_request(k, v, kt, row, n, budget, bs, ps, g, seed):
     (3, 3, 64, 32, 4, True),
     (2, 4, 128, 16, 2, False),
     (1, 1, 64, 32, 8, True),
+    (2, 3, 64, 16, 1, False),  # page size 1 (the "oracle" method's)
 ])
 def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force):
     storage, k, v, kt = _cache(hkv, d, bs, ps, layout)
     gen = torch.Generator().manual_seed(d + bs)
-    # Three requests: different lengths, budgets, top-k and top-r.
-    specs = [(700, 160, 8 * ps, 16), (530, 96, 3 * ps, d), (401, 200, 1, 7)]
+    # Different lengths, budgets, top-k and top-r; 512 fills its last block
+    # exactly; budget == n is rocketkv.evict=false (identity, all kept).
+    specs = [(700, 160, 8 * ps, 16), (512, 96, 3 * ps, d), (401, 200, 1, 7),
+             (300, 300, 4 * ps, 16)]
     rows, plans = [], []
     free = torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1
     for i, (n, budget, topk, topr) in enumerate(specs):
@@ -59,13 +62,13 @@ def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force):
     seq = torch.tensor([p.num_prompt_tokens for p, _, _ in plans])
     for step in range(2 * ps + 1):  # crosses page boundaries
         seq = seq + 1
-        new_k = torch.randn(3, hkv, d, generator=gen)
-        new_v = torch.randn(3, hkv, d, generator=gen)
+        new_k = torch.randn(len(specs), hkv, d, generator=gen)
+        new_v = torch.randn(len(specs), hkv, d, generator=gen)
         pos = seq - 1
         slot = block_table.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         paged.write_kv(k, v, new_k, new_v, slot)
         paged.write_kv(ok, ov, new_k, new_v, slot)
-        q = torch.randn(3, hkv * g, d, generator=gen)
+        q = torch.randn(len(specs), hkv * g, d, generator=gen)
         num_select = torch.tensor([max(t // ps, 1) for _, t, _ in plans])
         nc = torch.tensor([p.num_compact for p, _, _ in plans])
         ts = torch.tensor([p.tail_start for p, _, _ in plans])

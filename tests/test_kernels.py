@@ -285,6 +285,7 @@ def _pooled_ref_topk_ok(pooled, chosen, protect_from, tol):
 @parametrize("n,hkv,g,d,bs,ps,dtype,budget,layout", [
     (330, 3, 3, 64, 16, 4, F32, 100, "cpu_vec"),
     (260, 2, 4, 128, 32, 8, BF16, 120, "token"),
+    (256, 2, 3, 64, 16, 2, F32, 90, "head_rows"),  # fills its last block exactly
 ])
 def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout):
     gen = torch.Generator().manual_seed(n)
@@ -317,6 +318,24 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout):
     _same_storage(c, before)
 
 
+@parametrize("n,ps,layout", [(200, 4, "cpu_vec"), (192, 2, "token")])
+def test_snapkv_compress_without_eviction(n, ps, layout):
+    """prompt_budget == n (rocketkv.evict=false): everything kept, nothing
+    moved, KT pages written over the whole prompt."""
+    hkv, g, d, bs = 2, 3, 64, 16
+    gen = torch.Generator().manual_seed(n)
+    c = Cache(n // bs + 3, hkv, d, bs, ps, F32, layout)
+    row = c.new_row(-(-n // bs))
+    c.fill(row, 0, n, gen)
+    q = torch.randn(16, hkv * g, d, generator=gen).to(DEVICE)
+    ref = c.clone()
+    kept = triton_ops.snapkv_compress(c.k, c.v, c.kt, row, q, n, n, n // bs * bs, 7, ps,
+                                      d**-0.5)
+    assert torch.equal(kept.cpu(), torch.arange(n).expand(hkv, n))
+    paged.write_kt_pages(ref.k, ref.kt, row, 0, n, ps)
+    _same_storage(c, ref)
+
+
 # --------------------------------------------------------------------------
 # Decode kernels
 
@@ -343,9 +362,10 @@ def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True, layout="token
     return c, rows
 
 
-def _ref_probs(q, kt_min, kt_max, topr):
+def _ref_probs(q, kt_min, kt_max, topr, tokens):
     """Group-averaged SparQ page probabilities [Hkv, P] (the math of
-    ``algorithm.hsa_select_pages``, which returns only the selection)."""
+    ``algorithm.hsa_page_probs``, with the kernel's channel tie-breaking):
+    each page's softmax term weighted by its token count ``tokens`` [P]."""
     hq, d = q.shape
     num_pages, hkv, _ = kt_min.shape
     g = hq // hkv
@@ -362,7 +382,10 @@ def _ref_probs(q, kt_min, kt_max, topr):
     q_r = qf.gather(-1, channels[:, None, :].expand(hkv, g, topr))
     scores = torch.einsum("kgr,kpr->kgp", q_r, bound)
     tau = torch.sqrt(d * q_r.abs().sum(-1) / qf.abs().sum(-1).clamp_min(1e-30))
-    return (scores / tau.clamp_min(1e-30)[..., None]).softmax(-1).mean(1)
+    logits = scores / tau.clamp_min(1e-30)[..., None]
+    expd = torch.exp(logits - logits.amax(-1, keepdim=True))
+    denom = (expd * tokens.float()).sum(-1, keepdim=True)
+    return (expd / denom).mean(1)
 
 
 def _queries_without_channel_ties(batch, hkv, g, d, dtype, topr, gen):
@@ -384,11 +407,19 @@ def _view_kt(c, row, nc, ts, seq):
     return kt[..., : c.d], kt[..., c.d:], starts
 
 
+def _page_tokens(starts, nc, ts, seq, ps):
+    """Tokens of each view page inside the view (its softmax weight)."""
+    end = torch.where(starts < ts, nc, seq)
+    return (end - starts).clamp(0, ps).cpu()
+
+
 @parametrize("hkv,g,d,bs,ps,dtype,force,impl,layout", [
     (3, 3, 64, 16, 4, F32, False, "triton", "token"),
     (2, 4, 128, 32, 8, BF16, True, "torch", "head_rows"),
     (1, 8, 64, 16, 8, F32, True, "triton", "token"),
     (2, 1, 64, 32, 4, F32, False, "torch", "cpu_vec"),
+    (2, 3, 64, 16, 2, F32, True, "triton", "head_rows"),
+    (3, 3, 64, 16, 2, BF16, False, "torch", "split"),
 ])
 def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
@@ -402,7 +433,8 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
     probs = hsa_page_probs(q, c.kt, _table(rows), nc, ts, seq, _ints(topr), ps,
                            max_pages, force, chunk=16 if g != 4 else None)
     max_select = max(max(k // ps, 1) for k in topk)
-    sel = select_pages(probs, max_select, nc, ts, seq, _ints(topk), ps, impl).cpu()
+    sel = select_pages(probs, max_select, nc, ts, seq, _ints(topk), ps, impl,
+                       force).cpu()
     probs = probs.cpu()
     for b, (n_c, t_s, s_l) in enumerate(specs):
         if s_l <= 0:
@@ -410,7 +442,8 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
             continue
         kmin, kmax, starts = _view_kt(c, rows[b], n_c, t_s, s_l)
         num_pages = starts.numel()
-        ref = _ref_probs(q[b], kmin, kmax, topr[b]).cpu()
+        ref = _ref_probs(q[b], kmin, kmax, topr[b],
+                         _page_tokens(starts, n_c, t_s, s_l, ps)).cpu()
         got = probs[b, :, :num_pages].clone()
         assert bool((probs[b, :, num_pages:] == -1).all())
         cur = num_pages - 1  # the newest token's page is the view's last
@@ -418,7 +451,9 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
             assert bool((got[:, cur] == 2.0).all())
             got[:, cur] = ref[:, cur]
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-4)
-        n_use = min(max(topk[b] // ps, 1), num_pages)
+        # the forced current page comes on top of the top-k pages
+        n_use = min(max(topk[b] // ps, 1) + int(force), num_pages)
+        assert sel.shape[-1] >= n_use
         for h in range(hkv):
             _check_selection(sel[b, h, :n_use], ref[h], num_pages,
                              cur if force else None)
@@ -488,6 +523,7 @@ def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
     (1, 8, 64, 16, 8, F32, None, "cpu_vec"),
     (4, 1, 64, 32, 4, BF16, 2, "split"),
     (2, 3, 80, 16, 16, F16, 2, "token"),
+    (2, 3, 64, 16, 2, F32, 2, "head_rows"),
 ])
 def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
@@ -504,17 +540,19 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     scale = d**-0.5
     nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
-    out = sparse_decode(q, c.k, c.v, _table(rows), sel.to(DEVICE), nc, ts, seq,
-                        _ints(topk), ps, scale, num_splits=splits)
-    assert out.dtype == dtype and bool(out.isfinite().all())
-    for b, (n_c, t_s, s_l) in enumerate(specs):
-        if s_l <= 0:
-            assert bool((out[b] == 0).all())
-            continue
-        num_pages = paged.view_page_starts(n_c, t_s, s_l, ps, "cpu").numel()
-        n_use = min(max(topk[b] // ps, 1), num_pages, n_sel)
-        ref = _sparse_ref(q[b], c, rows[b], n_c, t_s, s_l, sel[b, :, :n_use], scale)
-        _close(out[b], ref, dtype, msg=f"row {b}")
+    for extra in (0, 1):  # 1: a forced page on top of the top-k entries
+        out = sparse_decode(q, c.k, c.v, _table(rows), sel.to(DEVICE), nc, ts, seq,
+                            _ints(topk), ps, scale, num_splits=splits,
+                            extra_pages=extra)
+        assert out.dtype == dtype and bool(out.isfinite().all())
+        for b, (n_c, t_s, s_l) in enumerate(specs):
+            if s_l <= 0:
+                assert bool((out[b] == 0).all())
+                continue
+            num_pages = paged.view_page_starts(n_c, t_s, s_l, ps, "cpu").numel()
+            n_use = min(max(topk[b] // ps, 1) + extra, num_pages, n_sel)
+            ref = _sparse_ref(q[b], c, rows[b], n_c, t_s, s_l, sel[b, :, :n_use], scale)
+            _close(out[b], ref, dtype, msg=f"row {b} extra {extra}")
 
 
 @parametrize("hkv,g,d,bs,dtype,splits,layout", [
@@ -580,6 +618,8 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused, layout):
     (1, 8, 64, 16, 4, BF16, False, "torch", "cpu_vec"),
     (2, 3, 64, 16, 1, F32, True, "auto", "split"),
     (2, 2, 128, 16, 16, F32, False, "auto", "head_rows"),
+    (2, 3, 64, 16, 2, F32, True, "auto", "token"),
+    (3, 3, 64, 32, 2, BF16, False, "torch", "head_rows"),
 ])
 def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps, dtype,
                                                                force, impl, layout):
@@ -587,7 +627,10 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
     kernel's cache has NaN everywhere outside the views; the reference runs
     on a copy with finite stale data there (its masked einsum is not NaN
     safe). Outputs must be finite and equal."""
-    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140)]
+    # (40, 128, 128): the prompt filled its last block, the new token opens
+    # the tail block
+    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140),
+             (40, 128, 128)]
     c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g + ps, layout=layout)
     clean = c.clone()
     gen = torch.Generator().manual_seed(5)
@@ -605,8 +648,8 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
             c.fill(rows[b], seq, seq + 1, gen)
             gen.set_state(state)
             clean.fill(rows[b], seq, seq + 1, gen)
-    topk = [4 * ps, 2 * ps, ps, 100 * ps, 3 * ps]
-    topr = [d, 16, 16, 7, d // 2]
+    topk = [4 * ps, 2 * ps, ps, 100 * ps, 3 * ps, 2 * ps]
+    topr = [d, 16, 16, 7, d // 2, 16]
     q = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
     args = (_table(rows), *(_ints([s[i] for s in specs]) for i in (0, 1)),
             _ints(seqs), _ints(topk), _ints(topr), ps, d**-0.5)

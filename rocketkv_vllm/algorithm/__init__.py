@@ -3,7 +3,7 @@
 No vLLM imports here: the functions see plain tensors, one request at a time.
 """
 
-from rocketkv_vllm.algorithm.hsa import hsa_select_pages, sparse_attention
+from rocketkv_vllm.algorithm.hsa import hsa_page_probs, hsa_select_pages, sparse_attention
 from rocketkv_vllm.algorithm.snapkv import (
     pool_scores,
     snapkv_keep_positions,
@@ -11,6 +11,7 @@ from rocketkv_vllm.algorithm.snapkv import (
 )
 
 __all__ = [
+    "hsa_page_probs",
     "hsa_select_pages",
     "pool_scores",
     "snapkv_keep_positions",
