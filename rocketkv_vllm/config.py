@@ -34,7 +34,9 @@ class RocketKVConfig:
     """What the user asked for (one preset plus overrides), validated.
 
     ``token_budget`` switches on the automatic split of SPEC §1; otherwise the
-    explicit knobs are used as given.
+    explicit knobs are used as given. The split derives prompt_budget, topk
+    and topr, so an explicit value of those next to token_budget is refused
+    (page_size may be given with it: the split is then computed for it).
     """
 
     token_budget: int | None = None
@@ -42,12 +44,17 @@ class RocketKVConfig:
     window_size: int = 32
     kernel_size: int = 63
     page_size: int | None = None  # None: 4, or derived from token_budget
-    topk: int = 256  # tokens selected per decode step (a multiple of page_size)
+    topk: int = 256  # tokens selected per decode step (a multiple of page_size;
+    # larger than the view: every page, i.e. attend to all kept tokens)
     topr: int | None = None  # None: head dim (all channels)
     max_new_tokens: int = 256  # generation length the token_budget split assumes
     # Not in the reference; cheap, and it keeps each new token's own page
     # (measured on SmolLM2: needle 8/9 with it, 6/9 without, token budget 256).
+    # Selected on top of the topk pages (an extra page, never one of them).
     force_current_page: bool = True
+    # Stage 1 on/off. False: nothing is evicted, but a prompt longer than
+    # topk still gets Stage 2 over all its tokens (Quest-style sparse decode).
+    evict: bool = True
     kernel: str = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
     free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
     poison_evicted_blocks: bool = False  # tests: garbage-fill blocks before freeing
@@ -120,6 +127,15 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     # An explicit prompt_budget next to a preset's token_budget means "use mine".
     if "prompt_budget" in raw and "token_budget" not in raw:
         merged["token_budget"] = None
+    # token_budget derives these: never ignore one given next to it.
+    if merged.get("token_budget") is not None:
+        for name in ("prompt_budget", "topk", "topr"):
+            if merged.get(name) is not None:
+                where = "" if name in raw else f" (set by preset {raw.get('preset')!r})"
+                _fail(name, merged[name],
+                      "only without token_budget, which derives prompt_budget, "
+                      f"topk and topr from one number{where}: give token_budget "
+                      "or the explicit knobs, not both")
 
     for name, (lo, hi) in _INT_RANGES.items():
         value = merged.get(name)
@@ -134,13 +150,14 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     ps = merged.get("page_size")
     if ps is not None and ps & (ps - 1):
         _fail("page_size", ps, "a power of two in [1, 256] that divides block_size")
-    for name in ("force_current_page", "free_evicted_blocks", "poison_evicted_blocks"):
+    for name in ("force_current_page", "evict", "free_evicted_blocks",
+                 "poison_evicted_blocks"):
         if not isinstance(merged.get(name, False), bool):
             _fail(name, merged[name], "true or false")
     if merged.get("kernel", "auto") not in KERNEL_CHOICES:
         _fail("kernel", merged["kernel"], f"one of {list(KERNEL_CHOICES)}")
     for name in ("prompt_budget", "window_size", "kernel_size", "topk",
-                 "max_new_tokens", "force_current_page", "kernel",
+                 "max_new_tokens", "force_current_page", "evict", "kernel",
                  "free_evicted_blocks", "poison_evicted_blocks"):
         if merged.get(name, 0) is None:
             _fail(name, None, "a value (null only for token_budget, page_size, topr)")
@@ -168,6 +185,7 @@ class RocketKVSettings:
     kernel: str
     free_evicted_blocks: bool
     poison_evicted_blocks: bool
+    evict: bool = True
 
     @property
     def min_prompt_budget(self) -> int:
@@ -203,8 +221,17 @@ def resolve_settings(
     topr = head_dim if cfg.topr is None else cfg.topr
     if not 1 <= topr <= head_dim:
         _fail("topr", topr, f"an integer in [1, {head_dim}] (the head dim)")
-    if cfg.topk < page_size:
-        _fail("topk", cfg.topk, f"an integer >= page_size={page_size}")
+    if cfg.token_budget is None and cfg.topk % page_size:
+        # Whole pages are selected: a remainder would be dropped silently.
+        _fail("topk", cfg.topk,
+              f"a positive multiple of page_size={page_size}")
+    if cfg.evict and block_size > cfg.window_size + 1:
+        # The prompt's last block stays in place (up to block_size - 1
+        # tokens); beyond the window those would be kept without a score,
+        # where the reference keeps exactly the window.
+        _fail("window_size", cfg.window_size,
+              f"an integer in [block_size - 1, 4096] = [{block_size - 1}, 4096] "
+              f"with block_size={block_size} (or a smaller KV cache block size)")
     settings = RocketKVSettings(
         block_size=block_size,
         head_dim=head_dim,
@@ -220,8 +247,10 @@ def resolve_settings(
         kernel=cfg.kernel,
         free_evicted_blocks=cfg.free_evicted_blocks,
         poison_evicted_blocks=cfg.poison_evicted_blocks,
+        evict=cfg.evict,
     )
-    if cfg.token_budget is None and cfg.prompt_budget < settings.min_prompt_budget:
+    if (cfg.evict and cfg.token_budget is None
+            and cfg.prompt_budget < settings.min_prompt_budget):
         _fail(
             "prompt_budget",
             cfg.prompt_budget,
@@ -296,8 +325,15 @@ def plan_request(settings: RocketKVSettings, num_prompt_tokens: int) -> RequestP
         prompt_budget = settings.prompt_budget
         topk = settings.topk
         topr = settings.topr
-    compress = n > prompt_budget
     tail_start = (n // settings.block_size) * settings.block_size
+    if not settings.evict:
+        # Stage 2 only: keep all n tokens (identity compaction, nothing
+        # freed: num_compact == tail_start); sparse decode pays off only
+        # when the prompt exceeds the per-step selection.
+        compress = n > topk
+        return RequestPlan(n, compress, n, topk, topr,
+                           tail_start if compress else 0, tail_start)
+    compress = n > prompt_budget
     num_compact = prompt_budget - (n - tail_start) if compress else 0
     return RequestPlan(n, compress, prompt_budget, topk, topr, num_compact, tail_start)
 

@@ -24,6 +24,14 @@ from rocketkv_vllm.config import (
     ({"preset": "no-such-preset"}, "rocketkv.preset"),
     ({"force_current_page": "yes"}, "rocketkv.force_current_page"),
     ({"prompt_budget": True}, "rocketkv.prompt_budget"),
+    ({"evict": "no"}, "rocketkv.evict"),
+    ({"evict": None}, "rocketkv.evict"),
+    # token_budget derives these: an explicit one next to it is refused
+    ({"token_budget": 256, "topk": 64}, "rocketkv.topk"),
+    ({"token_budget": 256, "topr": 32}, "rocketkv.topr"),
+    ({"token_budget": 256, "prompt_budget": 1024}, "rocketkv.prompt_budget"),
+    ({"preset": "budget-256", "topk": 64}, "rocketkv.topk"),
+    ({"preset": "trtllm", "token_budget": 512}, "rocketkv.prompt_budget"),
 ])
 def test_bad_values_name_the_field_and_range(raw, field):
     with pytest.raises(RocketKVConfigError) as err:
@@ -43,6 +51,27 @@ def test_range_checks_that_need_the_engine():
         resolve_settings(parse_config({"topr": 65}), 16, 64, 8192)
     with pytest.raises(RocketKVConfigError, match="rocketkv.page_size"):
         resolve_settings(parse_config({"page_size": 32}), 16, 64, 8192)
+    # whole pages are selected: a topk remainder would be dropped
+    with pytest.raises(RocketKVConfigError, match=r"rocketkv.topk=100 .*multiple of page_size=8"):
+        resolve_settings(parse_config({"page_size": 8, "topk": 100}), 16, 64, 8192)
+    with pytest.raises(RocketKVConfigError, match="rocketkv.topk=2 .*page_size=4"):
+        resolve_settings(parse_config({"topk": 2}), 16, 64, 8192)
+    # the in-place last block (up to block_size - 1 tokens) must fit the window
+    with pytest.raises(RocketKVConfigError, match=r"rocketkv.window_size=32 .*\[63, 4096\]"):
+        resolve_settings(parse_config({}), 64, 64, 8192)
+    resolve_settings(parse_config({"window_size": 63, "prompt_budget": 256}), 64, 64, 8192)
+    resolve_settings(parse_config({"window_size": 15}), 16, 64, 8192)
+    with pytest.raises(RocketKVConfigError, match="rocketkv.window_size"):
+        resolve_settings(parse_config({"window_size": 14}), 16, 64, 8192)
+    # without eviction there is no window to respect
+    resolve_settings(parse_config({"evict": False, "window_size": 8}), 64, 64, 8192)
+
+
+def test_every_preset_parses_and_resolves():
+    for name in list_presets():
+        settings = resolve_settings(parse_config({"preset": name}), 16, 64, 8192)
+        plan = plan_request(settings, 6000)
+        assert plan.compress and plan.topk % settings.page_size == 0
 
 
 def test_presets_load_and_user_values_override():
@@ -55,6 +84,37 @@ def test_presets_load_and_user_values_override():
     # An explicit prompt budget replaces a preset's automatic split.
     cfg = parse_config({"preset": "budget-1024", "prompt_budget": 512})
     assert cfg.token_budget is None and cfg.prompt_budget == 512
+
+
+# Golden values from the reference's own code (NVlabs/RocketKV, commit
+# 63637c8), evaluated by hand / in a scratch Python session, not with ours:
+#   pipeline/inf_stream_llm/infllm_utils.py lines 143-156 (compress()):
+#     c = max(1, S / B) with S = max_seq_len = prompt + max_new_tokens
+#     (line 208), r = min(0.2 + 0.06 log2 c, 0.8),
+#     cap = max(int(S / c**r), min(2 * max_new, S)), prompt_budget = cap -
+#     max_new, topk = int(B // 2), compression_ratio = max(1, cap / B);
+#   pipeline/inf_stream_llm/inf_llm/attention/rocket.py lines 218-219:
+#     chunk_size = ceil(sqrt(ratio)), or 1 if that exceeds the ratio;
+#   gpt-fast/rocket.py line 132: r = min(d, max(1, round(d * chunk / ratio))).
+#     (inf_llm's rocket.py line 247 truncates instead: int(d * chunk /
+#     ratio); it differs from round in the last case below, 97 vs 98.)
+# Worked example, B=256, N=6000, max_new=256, d=64: S=6256, c=24.4375,
+# alpha=0.47666, c**alpha=4.5879, cap=int(1363.6)=1363, prompt_budget=1107,
+# ratio=5.3242, chunk=ceil(2.307)=3, r=round(36.06)=36.
+SPLIT_GOLDEN = [
+    # (B, N, max_new, d) -> (prompt_budget, topk, page_size, topr)
+    ((256, 6000, 256, 64), (1107, 128, 3, 36)),
+    ((1024, 32000, 256, 128), (5518, 512, 3, 68)),
+    ((512, 131072, 1024, 128), (1991, 256, 3, 65)),
+    ((4096, 1000, 100, 64), (1000, 2048, 1, 64)),  # c = 1: nothing evicted
+    ((2048, 8000, 512, 128), (4858, 1024, 2, 98)),  # inf_llm's int(): 97
+]
+
+
+@pytest.mark.parametrize("args,golden", SPLIT_GOLDEN)
+def test_split_matches_reference_golden_values(args, golden):
+    s = split_token_budget(*args)
+    assert (s.prompt_budget, s.topk, s.page_size, s.topr) == golden
 
 
 def test_split_follows_the_spec_formulas():
@@ -96,3 +156,24 @@ def test_token_budget_plans_stay_in_range():
         assert plan.topk % settings.page_size == 0
         if plan.compress:
             assert 0 < plan.num_compact < plan.tail_start
+
+
+def test_no_eviction_plan_keeps_everything_and_frees_nothing():
+    settings = resolve_settings(
+        parse_config({"evict": False, "page_size": 16, "topk": 256}), 16, 64, 8192)
+    assert settings.evict is False
+    for n in (1000, 1024, 4001):
+        plan = plan_request(settings, n)
+        assert plan.compress and plan.prompt_budget == n
+        assert plan.num_compact == plan.tail_start == n // 16 * 16
+        start, end = plan.freed_block_range(16)
+        assert start == end  # empty range: no block given back
+    # sparse decode only pays off when the prompt exceeds the selection
+    assert not plan_request(settings, 256).compress
+    assert plan_request(settings, 257).compress
+    # page size 1 (exact scores) and a topk beyond any view are accepted
+    resolve_settings(parse_config({"evict": False, "page_size": 1, "topk": 128}),
+                     16, 64, 8192)
+    huge = resolve_settings(parse_config({"prompt_budget": 256, "topk": 1 << 20}),
+                            16, 64, 8192)
+    assert plan_request(huge, 4000).compress
