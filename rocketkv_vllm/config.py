@@ -329,8 +329,10 @@ def plan_request(settings: RocketKVSettings, num_prompt_tokens: int) -> RequestP
     if not settings.evict:
         # Stage 2 only: keep all n tokens (identity compaction, nothing
         # freed: num_compact == tail_start); sparse decode pays off only
-        # when the prompt exceeds the per-step selection.
-        compress = n > topk
+        # when the prompt exceeds the per-step selection. (The backend still
+        # collects the window queries of a compressed prompt, so it must
+        # also be longer than the window, as with eviction.)
+        compress = n > max(topk, settings.window_size)
         return RequestPlan(n, compress, n, topk, topr,
                            tail_start if compress else 0, tail_start)
     compress = n > prompt_budget

@@ -171,6 +171,10 @@ def test_no_eviction_plan_keeps_everything_and_frees_nothing():
     # sparse decode only pays off when the prompt exceeds the selection
     assert not plan_request(settings, 256).compress
     assert plan_request(settings, 257).compress
+    small = resolve_settings(
+        parse_config({"evict": False, "page_size": 4, "topk": 16}), 16, 64, 8192)
+    assert not plan_request(small, 32).compress  # not beyond the window (32)
+    assert plan_request(small, 33).compress
     # page size 1 (exact scores) and a topk beyond any view are accepted
     resolve_settings(parse_config({"evict": False, "page_size": 1, "topk": 128}),
                      16, 64, 8192)
