@@ -64,20 +64,24 @@ class NativeChoice:
 
 def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> str:
     """Where CPU_ATTN's kernels for this ISA put K and V in a block, found by
-    letting them write known values and reading them back through our views
-    (the vec kernels store K transposed; other ISAs pack differently)."""
+    letting vLLM's own cache write store known values (into each head's
+    [2 * block_size, d] halves, as CPU_ATTN's forward passes them) and
+    reading them back through our views."""
     from vllm import _custom_ops as ops
 
     heads, blocks = 2, 2
-    for layout in ("cpu_vec", "head_rows"):
+    candidates = ("cpu_amx",) if isa == "amx" else ("cpu_vec", "head_rows")
+    for layout in candidates:
         kv_cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
-        k_cache, v_cache = paged.split_kv(kv_cache, layout)
+        rows = kv_cache.view(blocks, heads, 2 * block_size, head_size)
         gen = torch.Generator().manual_seed(0)
         key = torch.randn(3, heads, head_size, generator=gen).to(dtype)
         value = torch.randn(3, heads, head_size, generator=gen).to(dtype)
         slots = torch.tensor([1, block_size + 2, 2 * block_size - 1])
-        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa,
+        ops.cpu_attn_reshape_and_cache(key, value, rows[:, :, :block_size],
+                                       rows[:, :, block_size:], slots, isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        k_cache, v_cache = paged.split_kv(kv_cache, layout)
         blk, off = slots // block_size, slots % block_size
         if (torch.equal(k_cache[blk, :, off], key)
                 and torch.equal(v_cache[blk, :, off], value)):
@@ -85,7 +89,7 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int)
     raise NotImplementedError(
         f"ROCKETKV cannot read vLLM CPU_ATTN's KV cache layout for the '{isa}' "
         f"kernels (dtype {dtype}, block size {block_size}); supported on CPU: the "
-        "vec and vec16 kernels (x86 without AMX for this dtype)")
+        "vec, vec16 and amx kernels")
 
 
 @functools.cache
@@ -149,8 +153,7 @@ class RocketKVBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        # CPU_ATTN's vec16 kernels take 16-token blocks (its packed AMX
-        # layout for bf16 at multiples of 32 is refused: cpu_kv_layout).
+        # CPU_ATTN's vec16 kernels take 16-token blocks, vec and AMX 32.
         return [MultipleOf(16)]
 
     @classmethod
@@ -474,6 +477,11 @@ class RocketKVImpl(AttentionImpl):
             kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
         )
         self.use_triton = uses_triton(s)
+        if self.use_triton and self.kv_layout == "cpu_amx":
+            raise ValueError(
+                "rocketkv.kernel='triton' is invalid with CPU_ATTN's AMX cache layout "
+                "(bf16, block_size a multiple of 32): allowed 'auto' or 'torch', or "
+                "block_size 16")
         self._ops = paged
         if self.use_triton:
             from rocketkv_vllm import triton_ops

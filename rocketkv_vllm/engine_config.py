@@ -28,7 +28,10 @@ logger = init_logger(f"vllm.{__name__}")
 # lengths and sets this marker window (no ROCKETKV layer applies R-SWA).
 RSWA_MARKER_WINDOW = 1 << 30
 
+# 16 suits FLASH_ATTN / TRITON_ATTN; on CPU 32 lets CPU_ATTN use its AMX
+# kernels for bf16 (and vec, not vec16, elsewhere).
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_BLOCK_SIZE = 32
 
 
 _logged_settings: set[RocketKVSettings] = set()
@@ -87,8 +90,11 @@ def configure_engine(vllm_config) -> None:
     cache_config = vllm_config.cache_config
     if model_config is None:
         return
+    from vllm.platforms import current_platform
+
     if not cache_config.user_specified_block_size:
-        cache_config.block_size = DEFAULT_BLOCK_SIZE
+        cache_config.block_size = (DEFAULT_CPU_BLOCK_SIZE if current_platform.is_cpu()
+                                   else DEFAULT_BLOCK_SIZE)
 
     refusals = []
     if vllm_config.speculative_config is not None:
@@ -116,7 +122,6 @@ def configure_engine(vllm_config) -> None:
                          + "; ".join(refusals))
 
     settings = settings_from_vllm_config(vllm_config)
-    from vllm.platforms import current_platform
 
     if (settings.kernel == "triton" and not current_platform.is_cuda()
             and os.environ.get("TRITON_INTERPRET") != "1"):

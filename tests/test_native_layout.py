@@ -15,12 +15,23 @@ ops = pytest.importorskip("vllm._custom_ops")
 from rocketkv_vllm.backend import cpu_kv_layout  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("isa", ["vec", "vec16"])
-def test_native_kernel_reads_what_our_views_hold(dtype, isa):
-    hkv, g, d, bs, num_blocks, n = 3, 3, 64, 32, 12, 150
+AMX = torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize("dtype,isa,bs,expected", [
+    (torch.float32, "vec", 32, "cpu_vec"),
+    (torch.bfloat16, "vec", 32, "cpu_vec"),
+    (torch.float32, "vec16", 16, "cpu_vec"),
+    (torch.bfloat16, "vec16", 16, "cpu_vec"),
+    pytest.param(torch.bfloat16, "amx", 32, "cpu_amx",
+                 marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU")),
+    pytest.param(torch.bfloat16, "amx", 64, "cpu_amx",
+                 marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU")),
+])
+def test_native_kernel_reads_what_our_views_hold(dtype, isa, bs, expected):
+    hkv, g, d, num_blocks, n = 3, 3, 64, 12, 150
     layout = cpu_kv_layout(isa, dtype, d, bs)
-    assert layout == "cpu_vec"
+    assert layout == expected
     # Padded blocks, as the ROCKETKV KV spec allocates them.
     block_elems = hkv * bs * 2 * d + 1000
     storage = torch.zeros(num_blocks * block_elems, dtype=dtype)
@@ -42,8 +53,10 @@ def test_native_kernel_reads_what_our_views_hold(dtype, isa):
         num_reqs=1, num_heads=hkv * g, num_kv_heads=hkv, head_dim=d, seq_lens=seq,
         dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
         isa=isa, enable_kv_split=False)
+    # CPU_ATTN's forward hands its kernel each head's block as [2 * bs, d] halves.
+    rows = kv.view(num_blocks, hkv, 2 * bs, d)
     ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=k_cache, value_cache=v_cache, output=out,
+        query=q, key_cache=rows[:, :, :bs], value_cache=rows[:, :, bs:], output=out,
         query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
         alibi_slopes=None, sliding_window=-1, block_table=row[None].int(),
         softcap=0, scheduler_metadata=meta, s_aux=None)
@@ -51,3 +64,43 @@ def test_native_kernel_reads_what_our_views_hold(dtype, isa):
                                 d**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
+    """Stage 1 and batched Stage 2 only address the cache per token, so on
+    AMX-packed views (``packed_kv``) they give exactly what they give on the
+    plain token layout holding the same values."""
+    from rocketkv_vllm import batched
+
+    hkv, g, d, bs, ps, num_blocks, n = 3, 3, 64, 32, 4, 40, 1000
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(n + 1, hkv, d, generator=gen).to(torch.bfloat16)
+    values = torch.randn(n + 1, hkv, d, generator=gen).to(torch.bfloat16)
+    q_win = torch.randn(32, hkv * g, d, generator=gen)
+    query = torch.randn(1, hkv * g, d, generator=gen).to(torch.bfloat16)
+    row = torch.randperm(num_blocks, generator=gen)[: -(-(n + 1) // bs)]
+    slots = row[torch.arange(n + 1) // bs] * bs + torch.arange(n + 1) % bs
+    pages = bs // ps
+    block_elems = hkv * bs * 2 * d + hkv * pages * 2 * d
+    outs = []
+    for layout in ("token", "cpu_amx"):
+        storage = torch.zeros(num_blocks * block_elems, dtype=torch.bfloat16)
+        kv = storage.as_strided((num_blocks, hkv, bs, 2 * d),
+                                (block_elems, bs * 2 * d, 2 * d, 1))
+        k, v = paged.split_kv(kv, layout)
+        kt = paged.kt_cache_view(kv, ps)
+        paged.write_kv(k, v, keys, values, slots)
+        tail = n // bs * bs
+        paged.snapkv_compress(k, v, kt, row, q_win, n, 300, tail, 7, ps, d**-0.5)
+        nc = torch.tensor([300 - (n - tail)])
+        ts, seq = torch.tensor([tail]), torch.tensor([n + 1])
+        max_pages = int(-(-nc // ps) + -(-(seq - ts) // ps))
+        view = batched.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
+        out = batched.hsa_decode_batch(
+            query, k, v, kt, row[None].int(), seq, view, torch.tensor([32]),
+            torch.tensor([8]), 8, ps, d**-0.5, True)
+        # Read back every kept token through the views.
+        kept_k, kept_v = paged.gather_kv(k, v, row, torch.arange(int(nc)))
+        outs.append((out, kept_k, kept_v))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
