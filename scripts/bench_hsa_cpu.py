@@ -1,0 +1,109 @@
+"""Decode attention of one layer on CPU: vLLM's CPU_ATTN kernel over the whole
+context against ROCKETKV's batched PyTorch Stage 2 over a compressed one.
+
+    .venv/bin/python scripts/bench_hsa_cpu.py --context 7800 --batch 2
+
+Same cache tensor, layout and dtype for both (bf16 with AMX where the CPU has
+it: 32-token blocks; else the vec layout); the compressed request keeps what
+``token_budget`` keeps for a prompt of that length. Prints milliseconds per
+call (mean of --iters after two warm-up calls). vLLM CPU build only. Set
+threads with OMP_NUM_THREADS (vLLM's CPU kernels read it; on a busy machine
+use 1, as OpenMP spin-waits make everything else meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=7800)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--token-budget", type=int, default=256)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--group", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=100)
+    args = ap.parse_args()
+    if torch.cpu._is_amx_tile_supported():
+        # A process must ask the kernel for AMX state before using it (in an
+        # engine the model's first bf16 matmul does).
+        torch.cpu._init_amx()
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from rocketkv_vllm import batched, paged
+    from rocketkv_vllm.backend import cpu_kv_layout
+    from rocketkv_vllm.config import RocketKVConfig, plan_request, resolve_settings
+
+    dtype, bs, hkv, g, d = torch.bfloat16, 32, args.kv_heads, args.group, args.head_dim
+    isa = _get_attn_isa(dtype, bs, d)
+    layout = cpu_kv_layout(isa, dtype, d, bs)
+    settings = resolve_settings(RocketKVConfig(token_budget=args.token_budget), bs, d,
+                                args.context + 512)
+    n = args.context
+    plan = plan_request(settings, n)
+    ps = settings.page_size
+    blocks_per_row = -(-(n + 1) // bs)
+    num_blocks = args.batch * blocks_per_row + 1
+    block_elems = hkv * bs * 2 * d + hkv * (bs // ps) * 2 * d
+    gen = torch.Generator().manual_seed(0)
+    storage = torch.randn(num_blocks * block_elems, generator=gen).to(dtype)
+    kv = storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1))
+    k_cache, v_cache = paged.split_kv(kv, layout)
+    kt_cache = paged.kt_cache_view(kv, ps)
+    table = (torch.randperm(num_blocks - 1, generator=gen)[: args.batch * blocks_per_row]
+             + 1).view(args.batch, blocks_per_row).int()
+    seq = torch.full((args.batch,), n + 1, dtype=torch.int32)
+    query = torch.randn(args.batch, hkv * g, d, generator=gen).to(dtype)
+
+    def bench(fn) -> float:
+        fn()
+        fn()
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        return (time.perf_counter() - start) / args.iters * 1e3
+
+    rows = kv.view(num_blocks, hkv, 2 * bs, d)
+    out = torch.empty_like(query)
+    qsl = torch.arange(args.batch + 1, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=args.batch, num_heads=hkv * g, num_kv_heads=hkv, head_dim=d,
+        seq_lens=seq, dtype=dtype, query_start_loc=qsl, causal=True,
+        sliding_window_size=-1, isa=isa, enable_kv_split=True)
+
+    def dense() -> None:
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=rows[:, :, :bs], value_cache=rows[:, :, bs:],
+            output=out, query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
+            scheduler_metadata=meta, s_aux=None)
+
+    col = lambda v: torch.full((args.batch,), v, dtype=torch.int32)  # noqa: E731
+    num_compact, tail_start = col(plan.num_compact), col(plan.tail_start)
+    max_pages = -(-plan.num_compact // ps) + -(-(n + 1 - plan.tail_start) // ps)
+    view = batched.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
+    num_select = max(plan.topk // ps, 1)
+
+    def sparse() -> None:
+        batched.hsa_decode_batch(query, k_cache, v_cache, kt_cache, table, seq, view,
+                                 col(plan.topr), col(num_select), num_select, ps,
+                                 d**-0.5, settings.force_current_page)
+
+    dense_ms, sparse_ms = bench(dense), bench(sparse)
+    print(f"isa {isa}, layout {layout}, OMP threads {torch.get_num_threads()}, batch "
+          f"{args.batch}, context {n}, kept {plan.prompt_budget}, page {ps}, "
+          f"top-k {plan.topk}, top-r {plan.topr}")
+    print(f"CPU_ATTN decode (whole context): {dense_ms:.3f} ms per layer")
+    print(f"ROCKETKV Stage 2 (batched torch): {sparse_ms:.3f} ms per layer "
+          f"({dense_ms / sparse_ms:.2f}x of dense speed)")
+
+
+if __name__ == "__main__":
+    main()
