@@ -35,10 +35,11 @@ Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
    chunk of logits into group-averaged probabilities (writes every one of
    the max_pages entries).
 3. selection, n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages
-   per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel`` grid (B*Hkv) -- a bisection on the fp32
-   bit patterns finds the n_use-th largest probability, then a cumsum packs
-   the winners (ties: lowest page index) -- or ``torch.topk(sorted=True)``
-   (its first n_use entries) for rows longer than the kernel's limit.
+   per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel``
+   grid (B*Hkv) -- a bisection on the fp32 bit patterns finds the n_use-th
+   largest probability, then a cumsum packs the winners (ties: lowest page
+   index) -- or ``torch.topk(sorted=True)`` (its first n_use entries) for
+   rows longer than the kernel's limit.
 """
 
 from __future__ import annotations
