@@ -1,0 +1,300 @@
+"""ROCKETKV metrics on the server's Prometheus ``/metrics``, next to ``vllm:*``.
+
+A vLLM stat-logger plugin (entry point group ``vllm.stat_logger_plugins``),
+loaded by ``AsyncLLM``, i.e. by the OpenAI server, in its API-server process.
+It does nothing unless the engine's attention backend is ROCKETKV.
+
+Every ROCKETKV decision about a request is a pure function of the engine's
+settings and the request's prompt length (``config.plan_request``), the same
+function the scheduler (block freeing) and the backend (Stage 1 / Stage 2)
+use. So the counters are derived here, in the frontend, from the outputs vLLM
+already streams back for every request: no counter lives in a worker, and the
+names and values are the same whatever the process layout (tensor / data
+parallel, Ray, several API servers with Prometheus multiprocess mode).
+
+What is exported (labels ``model_name``, ``engine``, as vLLM's own metrics):
+
+- ``rocketkv:prompts_compressed_total`` prompts longer than their budget,
+  counted when their prefill completes (Stage 1 ran in that step);
+- ``rocketkv:prompt_tokens_evicted_total`` prompt tokens evicted, per KV head;
+- ``rocketkv:kv_blocks_freed_total`` KV cache blocks given back to vLLM's
+  block pool (0 with ``free_evicted_blocks: false``);
+- ``rocketkv:kept_fraction`` histogram of kept / prompt tokens per compressed
+  prompt;
+- ``rocketkv:decode_tokens_attended`` histogram, one sample per decode step of
+  a compressed request: tokens per KV head Stage 2 attends (its selected
+  pages, counted as whole pages but never more than the request's view);
+  ``_count`` is the number of such steps;
+- ``rocketkv:decode_context_tokens_total`` the same steps' full context
+  length (what dense attention would read), for the ratio
+  ``decode_tokens_attended_sum / decode_context_tokens_total``;
+- ``rocketkv:config_info`` the engine's resolved settings as labels (value 1).
+
+Every compressed prompt also gets one debug-level log line
+(``VLLM_LOGGING_LEVEL=DEBUG``).
+
+Parallel sampling (``n > 1``) runs n engine requests, each compressed on its
+own, so each counts. A request preempted and recomputed is counted once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from vllm.logger import init_logger
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+from rocketkv_vllm.config import (
+    CONFIG_KEY,
+    RequestPlan,
+    RocketKVSettings,
+    parse_config,
+    plan_request,
+    resolve_settings,
+)
+
+# Under the "vllm" logger so records show with vLLM's own formatting/level.
+logger = init_logger(f"vllm.{__name__}")
+
+METRIC_PREFIX = "rocketkv:"
+KEPT_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
+                         0.8, 0.9, 1.0)
+ATTENDED_BUCKETS = tuple(float(1 << i) for i in range(4, 18))  # 16 .. 131072
+
+# Attribute of vLLM's IterationStats where the output hook leaves what each
+# request output of the iteration was (see _install_output_hook).
+_OUTPUTS_ATTR = "_rocketkv_outputs"
+_HOOKED = "_rocketkv_metrics_hook"
+
+
+@dataclass(frozen=True)
+class RequestOutputFact:
+    """One engine output of one request, as seen by the frontend."""
+
+    request_id: str
+    num_prompt_tokens: int
+    was_prefilling: bool  # the output that ends the prefill
+    num_new_tokens: int
+    num_generated: int  # the request's generated tokens, this output included
+
+
+@dataclass(frozen=True)
+class PromptAccount:
+    """What Stage 1 does to one compressed prompt."""
+
+    num_prompt_tokens: int
+    kept_tokens: int  # per KV head
+    evicted_tokens: int  # per KV head
+    blocks_freed: int
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kept_tokens / self.num_prompt_tokens
+
+
+def account_prompt(settings: RocketKVSettings, plan: RequestPlan) -> PromptAccount:
+    """Tokens kept / evicted per KV head and blocks freed for a compressed plan."""
+    assert plan.compress
+    kept = plan.prompt_budget
+    start, end = plan.freed_block_range(settings.block_size)
+    freed = end - start if settings.free_evicted_blocks else 0
+    return PromptAccount(plan.num_prompt_tokens, kept,
+                         plan.num_prompt_tokens - kept, max(freed, 0))
+
+
+def decode_tokens_attended(settings: RocketKVSettings, plan: RequestPlan,
+                           seq_len: int) -> int:
+    """Tokens per KV head Stage 2 attends in a decode step whose context
+    (the step's own token included) is ``seq_len`` tokens long.
+
+    The step's view is the compacted prompt plus everything from the tail
+    block on; Stage 2 selects ``max(topk // page_size, 1)`` of its pages, plus
+    the current page with ``force_current_page``, at most every page.
+    Selected pages count as whole pages, capped at the view's token count.
+    """
+    ps = settings.page_size
+    tail_tokens = seq_len - plan.tail_start
+    view_tokens = plan.num_compact + tail_tokens
+    view_pages = -(-plan.num_compact // ps) + -(-tail_tokens // ps)
+    select = max(plan.topk // ps, 1) + (1 if settings.force_current_page else 0)
+    return min(min(select, view_pages) * ps, view_tokens)
+
+
+def settings_for(vllm_config) -> RocketKVSettings:
+    """The engine's resolved ROCKETKV settings (what the engine resolves)."""
+    extra = vllm_config.additional_config or {}
+    raw = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    model_config = vllm_config.model_config
+    return resolve_settings(
+        parse_config(raw or {}),
+        block_size=vllm_config.cache_config.block_size,
+        head_dim=model_config.get_head_size(),
+        max_model_len=model_config.max_model_len,
+    )
+
+
+def _install_output_hook() -> bool:
+    """Record, on each IterationStats, every request output of the iteration
+    with its request's prompt length and generated-token count.
+
+    vLLM's IterationStats keeps only batch totals of prompt tokens, and its
+    per-request FinishedRequestStats are not made for aborted requests (a
+    client that disconnects), whose prompt may well have been compressed.
+    The hook wraps the one place where the frontend turns an engine output
+    into stats; it adds one small record per output.
+    """
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    if getattr(OutputProcessor, _HOOKED, False):
+        return True
+    original = OutputProcessor._update_stats_from_output
+    expected = ["self", "req_state", "engine_core_output",
+                "engine_core_timestamp", "iteration_stats"]
+    if list(inspect.signature(original).parameters) != expected:
+        logger.warning("ROCKETKV metrics disabled: vLLM's "
+                       "OutputProcessor._update_stats_from_output changed.")
+        return False
+
+    def _update_stats_from_output(self, req_state, engine_core_output,
+                                  engine_core_timestamp, iteration_stats):
+        was_prefilling = req_state.is_prefilling
+        original(self, req_state, engine_core_output, engine_core_timestamp,
+                 iteration_stats)
+        if iteration_stats is None or req_state.stats is None:
+            return
+        num_new = len(engine_core_output.new_token_ids)
+        if num_new == 0:
+            return
+        outputs = iteration_stats.__dict__.setdefault(_OUTPUTS_ATTR, [])
+        outputs.append(RequestOutputFact(
+            req_state.request_id, req_state.prompt_len, was_prefilling, num_new,
+            req_state.stats.num_generation_tokens))
+
+    OutputProcessor._update_stats_from_output = _update_stats_from_output
+    setattr(OutputProcessor, _HOOKED, True)
+    return True
+
+
+def unregister_rocketkv_metrics(registry=REGISTRY) -> None:
+    for collector in list(registry._collector_to_names):
+        if getattr(collector, "_name", "").startswith(METRIC_PREFIX):
+            registry.unregister(collector)
+
+
+def is_rocketkv_engine(vllm_config) -> bool:
+    from rocketkv_vllm.plugin import is_rocketkv
+
+    attention = getattr(vllm_config, "attention_config", None)
+    return attention is not None and is_rocketkv(attention.backend)
+
+
+class RocketKVStatLogger(AggregateStatLoggerBase):
+    """Prometheus metrics for ROCKETKV engines; inert for any other engine."""
+
+    def __init__(self, vllm_config, engine_indexes: list[int] | None = None):
+        self.engine_indexes = list(engine_indexes or [0])
+        self.enabled = is_rocketkv_engine(vllm_config) and _install_output_hook()
+        if not self.enabled:
+            return
+        self.settings = settings_for(vllm_config)
+        self._plans: dict[int, RequestPlan] = {}
+        model_name = vllm_config.model_config.served_model_name
+        labelnames = ["model_name", "engine"]
+        labels = {i: [model_name, str(i)] for i in self.engine_indexes}
+
+        unregister_rocketkv_metrics()
+
+        def per_engine(metric):
+            return {i: metric.labels(*labels[i]) for i in self.engine_indexes}
+
+        self.prompts_compressed = per_engine(Counter(
+            name="rocketkv:prompts_compressed",
+            documentation="Prompts compressed by ROCKETKV (longer than their "
+                          "budget), counted when their prefill completes.",
+            labelnames=labelnames))
+        self.tokens_evicted = per_engine(Counter(
+            name="rocketkv:prompt_tokens_evicted",
+            documentation="Prompt tokens evicted by ROCKETKV's Stage 1, per KV head.",
+            labelnames=labelnames))
+        self.blocks_freed = per_engine(Counter(
+            name="rocketkv:kv_blocks_freed",
+            documentation="KV cache blocks ROCKETKV gave back to vLLM's block "
+                          "pool after compressing prompts.",
+            labelnames=labelnames))
+        self.kept_fraction = per_engine(Histogram(
+            name="rocketkv:kept_fraction",
+            documentation="Kept / prompt tokens (per KV head) of each compressed "
+                          "prompt.",
+            labelnames=labelnames, buckets=KEPT_FRACTION_BUCKETS))
+        self.attended = per_engine(Histogram(
+            name="rocketkv:decode_tokens_attended",
+            documentation="Tokens per KV head attended by ROCKETKV's sparse decode "
+                          "(Stage 2), one sample per decode step of a compressed "
+                          "request (selected pages counted whole).",
+            labelnames=labelnames, buckets=ATTENDED_BUCKETS))
+        self.context = per_engine(Counter(
+            name="rocketkv:decode_context_tokens",
+            documentation="Context length (tokens) of the decode steps counted in "
+                          "rocketkv:decode_tokens_attended: what dense attention "
+                          "would read.",
+            labelnames=labelnames))
+        info = self.settings.as_dict()
+        info_gauge = Gauge(
+            name="rocketkv:config_info",
+            documentation="ROCKETKV settings of the engine (value 1).",
+            labelnames=labelnames + sorted(info),
+            multiprocess_mode="mostrecent")
+        for i in self.engine_indexes:
+            info_gauge.labels(*labels[i], *(str(info[k]) for k in sorted(info))).set(1)
+
+    def _plan(self, num_prompt_tokens: int) -> RequestPlan:
+        plan = self._plans.get(num_prompt_tokens)
+        if plan is None:
+            if len(self._plans) > 65536:
+                self._plans.clear()
+            plan = self._plans[num_prompt_tokens] = plan_request(
+                self.settings, num_prompt_tokens)
+        return plan
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+               engine_idx: int = 0):
+        if not self.enabled or iteration_stats is None:
+            return
+        outputs = iteration_stats.__dict__.get(_OUTPUTS_ATTR)
+        if not outputs or engine_idx not in self.prompts_compressed:
+            return
+        for out in outputs:
+            plan = self._plan(out.num_prompt_tokens)
+            if not plan.compress:
+                continue
+            if out.was_prefilling:
+                self._record_prompt(out, plan, engine_idx)
+            # Generated tokens with index >= 2 come from decode steps (the
+            # first one is sampled by the prefill step).
+            first = out.num_generated - out.num_new_tokens + 1
+            for g in range(max(first, 2), out.num_generated + 1):
+                seq_len = out.num_prompt_tokens + g - 1
+                self.attended[engine_idx].observe(
+                    decode_tokens_attended(self.settings, plan, seq_len))
+                self.context[engine_idx].inc(seq_len)
+
+    def _record_prompt(self, out: RequestOutputFact, plan: RequestPlan,
+                       engine_idx: int) -> None:
+        acc = account_prompt(self.settings, plan)
+        self.prompts_compressed[engine_idx].inc()
+        self.tokens_evicted[engine_idx].inc(acc.evicted_tokens)
+        self.blocks_freed[engine_idx].inc(acc.blocks_freed)
+        self.kept_fraction[engine_idx].observe(acc.kept_fraction)
+        logger.debug(
+            "ROCKETKV compressed request %s (engine %d): %d prompt tokens -> %d "
+            "kept per KV head (%.1f%%), %d KV blocks freed, decode top-k %d "
+            "top-r %d", out.request_id, engine_idx, acc.num_prompt_tokens,
+            acc.kept_tokens, 100.0 * acc.kept_fraction, acc.blocks_freed,
+            plan.topk, plan.topr)
+
+    def log_engine_initialized(self):
+        if self.enabled:
+            logger.info("ROCKETKV metrics: rocketkv:* counters on /metrics "
+                        "(engines %s).", self.engine_indexes)

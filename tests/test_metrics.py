@@ -1,0 +1,231 @@
+"""ROCKETKV metrics on the OpenAI server's Prometheus /metrics.
+
+The unit tests drive the stat logger with hand-made iteration stats; the
+server test starts a real ROCKETKV server and checks that the rocketkv:*
+counters equal what ``config.plan_request`` predicts for the prompt lengths
+the server reports.
+"""
+
+import ast
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rocketkv_vllm.config import (
+    RocketKVSettings,
+    parse_config,
+    plan_request,
+    resolve_settings,
+)
+
+ROCKETKV = {"token_budget": 256}
+
+
+def _fake_vllm_config(backend, rocketkv=ROCKETKV, block_size=16):
+    return SimpleNamespace(
+        attention_config=SimpleNamespace(backend=backend),
+        additional_config={"rocketkv": rocketkv},
+        cache_config=SimpleNamespace(block_size=block_size),
+        model_config=SimpleNamespace(
+            served_model_name="m", max_model_len=4096,
+            get_head_size=lambda: 64),
+    )
+
+
+def _sample(name, labels=None):
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels or {"model_name": "m", "engine": "0"})
+
+
+def _attended(plan, seq_len, page, force_current_page=True):
+    """Stage 2's tokens per KV head, written out independently: the view is
+    the compacted prompt plus the tail from its block on, in pages."""
+    compact_pages = math.ceil(plan.num_compact / page)
+    tail_pages = math.ceil((seq_len - plan.tail_start) / page)
+    pages = min(plan.topk // page + force_current_page, compact_pages + tail_pages)
+    return min(pages * page, plan.num_compact + seq_len - plan.tail_start)
+
+
+def test_stat_logger_is_an_entry_point_plugin():
+    from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+
+    from rocketkv_vllm.metrics import RocketKVStatLogger
+
+    assert RocketKVStatLogger in load_stat_logger_plugin_factories()
+
+
+def test_stat_logger_is_inert_for_other_backends():
+    from prometheus_client import REGISTRY
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rocketkv_vllm.metrics import RocketKVStatLogger, unregister_rocketkv_metrics
+    from rocketkv_vllm.plugin import register
+
+    register()
+    unregister_rocketkv_metrics()
+    for backend in (None, AttentionBackendEnum.CPU_ATTN):
+        stat_logger = RocketKVStatLogger(_fake_vllm_config(backend), [0])
+        assert not stat_logger.enabled
+        stat_logger.record(None, SimpleNamespace(), engine_idx=0)
+        stat_logger.log_engine_initialized()
+    names = [n for names in REGISTRY._collector_to_names.values() for n in names]
+    assert not [n for n in names if n.startswith("rocketkv:")]
+
+
+def test_stat_logger_counts_what_the_plan_predicts():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rocketkv_vllm.metrics import (
+        RequestOutputFact,
+        RocketKVStatLogger,
+        decode_tokens_attended,
+    )
+    from rocketkv_vllm.plugin import register
+
+    register()
+    stat_logger = RocketKVStatLogger(
+        _fake_vllm_config(AttentionBackendEnum.CUSTOM), [0, 1])
+    assert stat_logger.enabled
+    settings = resolve_settings(parse_config(ROCKETKV), 16, 64, 4096)
+    assert stat_logger.settings == settings
+    long_n, short_n = 3000, 100
+    plan = plan_request(settings, long_n)
+    assert plan.compress and not plan_request(settings, short_n).compress
+
+    def step(*facts):
+        stats = SimpleNamespace()
+        stats._rocketkv_outputs = list(facts)
+        stat_logger.record(None, stats, engine_idx=0)
+
+    # Prefill outputs (first token), then 3 decode steps for each request.
+    step(RequestOutputFact("a", long_n, True, 1, 1),
+         RequestOutputFact("b", short_n, True, 1, 1))
+    for g in (2, 3, 4):
+        step(RequestOutputFact("a", long_n, False, 1, g),
+             RequestOutputFact("b", short_n, False, 1, g))
+    stat_logger.record(None, None, engine_idx=0)  # scheduler-only update
+
+    start, end = plan.freed_block_range(16)
+    assert end > start
+    assert _sample("rocketkv:prompts_compressed_total") == 1
+    assert _sample("rocketkv:prompt_tokens_evicted_total") == long_n - plan.prompt_budget
+    assert _sample("rocketkv:kv_blocks_freed_total") == end - start
+    assert _sample("rocketkv:kept_fraction_count") == 1
+    assert _sample("rocketkv:kept_fraction_sum") == pytest.approx(
+        plan.prompt_budget / long_n)
+    want = [_attended(plan, long_n + g - 1, settings.page_size) for g in (2, 3, 4)]
+    assert _sample("rocketkv:decode_tokens_attended_count") == 3
+    assert _sample("rocketkv:decode_tokens_attended_sum") == sum(want)
+    assert _sample("rocketkv:decode_context_tokens_total") == sum(
+        long_n + g - 1 for g in (2, 3, 4))
+    assert _sample("rocketkv:prompts_compressed_total",
+                   {"model_name": "m", "engine": "1"}) == 0
+    info = _sample("rocketkv:config_info", {
+        "model_name": "m", "engine": "0",
+        **{k: str(v) for k, v in settings.as_dict().items()}})
+    assert info == 1
+    # Every page selected while the view is small; capped by the view.
+    small = plan_request(settings, 300)
+    assert decode_tokens_attended(settings, small, 301) == _attended(
+        small, 301, settings.page_size)
+
+
+def test_output_hook_matches_vllms_output_processor():
+    """The hook wraps a vLLM internal: its signature is checked on install."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from rocketkv_vllm.metrics import _install_output_hook
+
+    assert _install_output_hook()
+    assert _install_output_hook()  # idempotent
+    assert getattr(OutputProcessor, "_rocketkv_metrics_hook")
+
+
+# ---------------------------------------------------------------------------
+# A real server.
+
+
+def _engine_settings(log: str) -> RocketKVSettings:
+    """The settings the engine logged at startup ("ROCKETKV settings: {...}")."""
+    start = log.index("ROCKETKV settings: {") + len("ROCKETKV settings: ")
+    end = log.index("}", start) + 1
+    return RocketKVSettings(**ast.literal_eval(log[start:end]))
+
+
+@pytest.fixture(scope="module")
+def metrics_server(model_path):
+    from test_serve import Server
+
+    srv = Server(model_path, rocketkv=ROCKETKV, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.engine
+def test_server_exports_rocketkv_counters(metrics_server, tokenizer):
+    from test_serve import metric_samples, metric_value
+
+    srv = metrics_server
+    client = srv.client()
+    before = srv.metrics()
+    assert metric_value(before, "rocketkv:prompts_compressed_total") == 0
+
+    words = " ".join(f"item{i % 97}" for i in range(4000))
+    long_ids = tokenizer(words)["input_ids"][:3000]
+    outs = [client.completions.create(model=srv.model, prompt=prompt,
+                                      max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            for prompt, max_tokens in ((long_ids, 6), ("The capital of France is", 4))]
+    usage = [(o.usage.prompt_tokens, o.usage.completion_tokens) for o in outs]
+    assert usage[0] == (3000, 6) and usage[1][1] == 4
+
+    settings = _engine_settings(srv.log())
+    assert settings.token_budget == 256
+    plans = [plan_request(settings, n) for n, _ in usage]
+    assert plans[0].compress and not plans[1].compress
+    plan = plans[0]
+    start, end = plan.freed_block_range(settings.block_size)
+    steps = [3000 + g - 1 for g in range(2, 7)]  # context of decode steps 2..6
+
+    deadline = time.time() + 30  # the frontend may record after responding
+    while True:
+        text = srv.metrics()
+        if (metric_value(text, "rocketkv:decode_tokens_attended_count") >= len(steps)
+                or time.time() > deadline):
+            break
+        time.sleep(0.5)
+    assert metric_value(text, "rocketkv:prompts_compressed_total") == 1
+    assert metric_value(text, "rocketkv:prompt_tokens_evicted_total") == (
+        3000 - plan.prompt_budget)
+    assert metric_value(text, "rocketkv:kv_blocks_freed_total") == end - start > 0
+    assert metric_value(text, "rocketkv:kept_fraction_count") == 1
+    assert metric_value(text, "rocketkv:kept_fraction_sum") == pytest.approx(
+        plan.prompt_budget / 3000)
+    assert metric_value(text, "rocketkv:decode_tokens_attended_count") == len(steps)
+    assert metric_value(text, "rocketkv:decode_tokens_attended_sum") == sum(
+        _attended(plan, s, settings.page_size) for s in steps)
+    assert metric_value(text, "rocketkv:decode_context_tokens_total") == sum(steps)
+    # The frontend's settings are the engine's.
+    [(info, one)] = metric_samples(text, "rocketkv:config_info")
+    assert one == 1 and info == {"model_name": srv.model, "engine": "0",
+                                 **{k: str(v) for k, v in settings.as_dict().items()}}
+    # Next to vLLM's own metrics, with the same labels.
+    assert "vllm:num_requests_running{" in text
+    for name in ("rocketkv:prompts_compressed_total", "vllm:prompt_tokens_total"):
+        assert [labels for labels, _ in metric_samples(text, name)] == [
+            {"model_name": srv.model, "engine": "0"}]
+
+
+@pytest.mark.engine
+def test_server_logs_each_compressed_prompt(metrics_server):
+    log = metrics_server.stop()
+    lines = [line for line in log.splitlines() if "ROCKETKV compressed request" in line]
+    assert len(lines) == 1, log[-3000:]
+    assert "3000 prompt tokens" in lines[0]
+    assert "ROCKETKV metrics: rocketkv:* counters on /metrics" in log
