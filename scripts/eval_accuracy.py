@@ -376,8 +376,9 @@ def main(argv=None) -> int:
     done = {cell_key(r["task"], r["length"], r["method"], r["budget"])
             for r in report["rows"]}
 
-    configs = [(m, None if m == "dense" else b) for m in methods
-               for b in ([None] if m == "dense" else budgets)]
+    # Dense first, then budget by budget: a partial run compares methods early.
+    configs = [("dense", None)] if "dense" in methods else []
+    configs += [(m, b) for b in budgets for m in methods if m != "dense"]
     cells = [(m, b, t, n) for m, b in configs for t in tasks for n in lengths]
     todo = [c for c in cells if cell_key(c[2], c[3], c[0], c[1]) not in done]
     print(f"{len(cells)} cells ({len(cells) - len(todo)} already in {args.out}), "
