@@ -33,10 +33,15 @@ index of the first generated token that differs from dense; a sample equal to
 dense counts its full length). ``outputs`` keeps every sample's tokens, text,
 score and depth, so agreement can be recomputed and a killed run resumed.
 
-Usage (CPU, the embedded SmolLM2-135M-Instruct; about 2.5 h on 2 cores):
+Usage (CPU, the embedded SmolLM2-135M-Instruct). The default grid is 5 tasks
+x lengths 2048, 6144 x 8 samples x 13 configs (dense + 4 methods x budgets
+128, 256, 1024) = 130 cells, 1,040 prompts, 4.3 M prompt tokens; estimated
+at about 2 h on an idle 2-core machine (about 9 s per 6k prompt and 3 s per
+2k prompt, decode included, plus ~15 s per engine start), 3.5-4 h when the
+cores are shared with other jobs:
 
     python scripts/eval_accuracy.py --resume          # full default grid
-    python scripts/eval_accuracy.py --smoke           # CI-sized, ~2 min
+    python scripts/eval_accuracy.py --smoke           # niah_single @1k, ~1.5 min
     python scripts/eval_accuracy.py --tasks niah_single --lengths 2048 \\
         --samples 2 --methods dense,rocketkv --budgets 256 --out /tmp/tiny.json
 
