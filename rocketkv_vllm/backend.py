@@ -130,6 +130,23 @@ def native_for_config(vllm_config: VllmConfig) -> NativeChoice:
                           vllm_config.cache_config.block_size)
 
 
+@functools.cache
+def native_cpu_stage2(kernel: str, kv_layout: str) -> bool:
+    """Stage 2 on CPU by the C++ kernel (``cpu_ops``) rather than batched
+    PyTorch: with kernel 'auto' on CPU_ATTN's layouts, when it builds here."""
+    from rocketkv_vllm import cpu_ops
+
+    if kernel != "auto" or kv_layout not in cpu_ops.LAYOUT_CODES:
+        return False
+    error = cpu_ops.build_error()
+    if error is not None:
+        logger.warning("ROCKETKV: the native CPU Stage 2 kernel is unavailable (%s); "
+                       "decoding with the slower PyTorch path.", error)
+        return False
+    logger.info_once("ROCKETKV: Stage 2 runs in the native CPU kernel.")
+    return True
+
+
 class RocketKVBackend(AttentionBackend):
     # vLLM's own selection machinery knows this backend as CUSTOM (see plugin).
     # The native backend writes the KV cache in do_kv_cache_update.
@@ -283,6 +300,8 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             kv_cache_spec, layer_names, vllm_config, device)
         self.reorder_batch_threshold = self.native.reorder_batch_threshold
         self.use_triton = uses_triton(self.settings)
+        self.use_native_cpu = (not self.use_triton and native_cpu_stage2(
+            self.settings.kernel, native.kv_layout))
         self.max_select = max(max_topk(self.settings) // self.settings.page_size, 1)
         self.prompt_lengths = PromptLengths()
         self._plans: dict[int, RequestPlan] = {}
@@ -425,7 +444,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             max_select=self.max_select,
             pages=None,
         )
-        if not self.use_triton:
+        if not (self.use_triton or self.use_native_cpu):
             hsa.pages = batched.view_pages(
                 hsa.block_table, hsa.num_compact, hsa.tail_start, hsa.seq_lens,
                 s.page_size, s.block_size, hsa.max_pages)
@@ -482,6 +501,8 @@ class RocketKVImpl(AttentionImpl):
                 "rocketkv.kernel='triton' is invalid with CPU_ATTN's AMX cache layout "
                 "(bf16, block_size a multiple of 32): allowed 'auto' or 'torch', or "
                 "block_size 16")
+        self.use_native_cpu = not self.use_triton and native_cpu_stage2(
+            s.kernel, self.kv_layout)
         self._ops = paged
         if self.use_triton:
             from rocketkv_vllm import triton_ops
@@ -538,12 +559,13 @@ class RocketKVImpl(AttentionImpl):
             if s.poison_evicted_blocks:
                 self._poison_evicted(kv_cache, r.block_row, plan)
         for rows in md.recompute:
-            self._hsa(rows, query, out, k_cache, v_cache, kt_cache)
+            self._hsa(rows, query, out, kv_cache, k_cache, v_cache, kt_cache)
         if md.decode is not None:
-            self._hsa(md.decode, query, out, k_cache, v_cache, kt_cache)
+            self._hsa(md.decode, query, out, kv_cache, k_cache, v_cache, kt_cache)
         return output
 
-    def _hsa(self, rows: HsaRows, query, out, k_cache, v_cache, kt_cache) -> None:
+    def _hsa(self, rows: HsaRows, query, out, kv_cache, k_cache, v_cache,
+             kt_cache) -> None:
         s = self.settings
         q = query[rows.tokens]
         if self.use_triton:
@@ -553,6 +575,14 @@ class RocketKVImpl(AttentionImpl):
                 q, k_cache, v_cache, kt_cache, rows.block_table, rows.num_compact,
                 rows.tail_start, rows.seq_lens, rows.topk, rows.topr, s.page_size,
                 self.scale, rows.max_pages, rows.max_select, s.force_current_page,
+            )
+        elif self.use_native_cpu:
+            from rocketkv_vllm import cpu_ops
+
+            result = cpu_ops.hsa_decode_batch(
+                q, kv_cache, kt_cache, self.kv_layout, rows.block_table,
+                rows.num_compact, rows.tail_start, rows.seq_lens, rows.topr,
+                rows.num_select, s.page_size, self.scale, s.force_current_page,
             )
         else:
             result = batched.hsa_decode_batch(

@@ -55,7 +55,9 @@ class RocketKVConfig:
     # Stage 1 on/off. False: nothing is evicted, but a prompt longer than
     # topk still gets Stage 2 over all its tokens (Quest-style sparse decode).
     evict: bool = True
-    kernel: str = "auto"  # auto: Triton on CUDA, PyTorch elsewhere
+    # auto: Triton on CUDA, the C++ kernel on CPU (PyTorch if it cannot be
+    # built); torch: batched PyTorch; triton: Triton (tests force it on CPU).
+    kernel: str = "auto"
     free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
     poison_evicted_blocks: bool = False  # tests: garbage-fill blocks before freeing
     preset: str | None = None

