@@ -13,7 +13,8 @@ the ``vllm.general_plugins`` entry point; every step is idempotent.
 3. An explicit ROCKETKV choice is validated with vLLM's own backend checks
    on every platform (errors name ROCKETKV) and honoured; on CPU, vLLM would
    otherwise always pick CPU_ATTN.
-4. Streaming-input sessions are refused per request (``_refuse_streaming_input``).
+4. Requests ROCKETKV cannot serve (streaming-input sessions; a per-request
+   seed on vLLM's CPU build) get a validation error (``_validate_requests``).
 5. ROCKETKV's KV cache spec is registered with its block manager.
 """
 
@@ -96,11 +97,18 @@ def validated_backend_path(attn_selector_config) -> str:
     return BACKEND_PATH
 
 
-def _refuse_streaming_input() -> None:
-    """Streaming-input sessions grow a live request's prompt; after
-    compaction ROCKETKV would attend over blocks it gave back. Refused per
-    request with a validation error (HTTP 400), the engine keeps serving."""
+def _validate_requests() -> None:
+    """Requests ROCKETKV cannot serve get a validation error (HTTP 400) from
+    vLLM's own input processor, and the engine keeps serving:
+
+    - streaming-input sessions grow a live request's prompt; after
+      compaction ROCKETKV would attend over blocks it gave back;
+    - on vLLM's CPU build, a per-request seed: its model runner rewinds the
+      request's torch generator after a partial prefill step, which CPU
+      generators cannot do, and the engine dies (vLLM 0.32, every backend).
+    """
     from vllm.exceptions import VLLMValidationError
+    from vllm.platforms import current_platform
     from vllm.v1.engine.input_processor import InputProcessor
 
     if getattr(InputProcessor, _PATCHED, False):
@@ -109,12 +117,21 @@ def _refuse_streaming_input() -> None:
 
     def process_inputs(self, *args, **kwargs):
         attention = getattr(self.vllm_config, "attention_config", None)
-        if (kwargs.get("resumable") and attention is not None
-                and is_rocketkv(attention.backend)):
+        if attention is None or not is_rocketkv(attention.backend):
+            return original(self, *args, **kwargs)
+        if kwargs.get("resumable"):
             raise VLLMValidationError(
                 "ROCKETKV attention backend does not support streaming input "
                 "sessions (a live request's prompt would grow after its KV "
                 "cache was compressed)", parameter="prompt")
+        params = kwargs.get("params", args[2] if len(args) > 2 else None)
+        if current_platform.is_cpu() and getattr(params, "seed", None) is not None:
+            raise VLLMValidationError(
+                "ROCKETKV on vLLM's CPU build does not accept a per-request seed: "
+                "vLLM's CPU model runner cannot rewind a seeded request's "
+                "generator after a chunked prefill step and would stop the "
+                "engine; drop `seed` (greedy decoding needs none)",
+                parameter="seed", value=params.seed)
         return original(self, *args, **kwargs)
 
     InputProcessor.process_inputs = process_inputs
@@ -128,5 +145,5 @@ def register() -> None:
 
     _register_backend()
     _wrap_platform(current_platform)
-    _refuse_streaming_input()
+    _validate_requests()
     register_kv_cache_spec()

@@ -88,10 +88,11 @@ def _engine_config(model_path, **kw):
                       max_model_len=4096, enforce_eager=True, **kw).create_engine_config()
 
 
-def test_streaming_input_sessions_are_refused_per_request(model_path):
-    """A streaming-input session would grow a compressed request's prompt:
-    vLLM's own input processor refuses it with a validation error (a 400 at
-    the server), and ordinary requests still pass."""
+def test_requests_rocketkv_cannot_serve_are_refused_per_request(model_path):
+    """A streaming-input session would grow a compressed request's prompt,
+    and a seeded request can stop vLLM's CPU engine: vLLM's own input
+    processor refuses both with a validation error (a 400 at the server);
+    ordinary requests still pass."""
     register()
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
@@ -103,6 +104,11 @@ def test_streaming_input_sessions_are_refused_per_request(model_path):
         processor.process_inputs(request_id="s", prompt=prompt, params=SamplingParams(),
                                  supported_tasks=("generate",), resumable=True)
     assert "ROCKETKV" in str(err.value) and "streaming" in str(err.value)
+    # vLLM's CPU runner dies on a seeded request prefilled in chunks.
+    with pytest.raises(VLLMValidationError) as err:
+        processor.process_inputs("t", prompt, SamplingParams(seed=7),
+                                 supported_tasks=("generate",))
+    assert "ROCKETKV" in str(err.value) and "seed" in str(err.value)
     request = processor.process_inputs(request_id="r", prompt=prompt,
                                        params=SamplingParams(),
                                        supported_tasks=("generate",))
