@@ -103,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll", type=float, default=0.2,
                    help="seconds between /metrics polls")
     p.add_argument("--server-arg", action="append", default=[],
-                   help="extra argument for both servers (repeat; e.g. --server-arg=--max-num-seqs=16)")
+                   help="extra argument for both servers (repeat; "
+                        "e.g. --server-arg=--max-num-seqs=16)")
     p.add_argument("--prestart", action="store_true",
                    help="start all servers at once (faster; the loads still run one "
                         "after another, the other servers idle)")
