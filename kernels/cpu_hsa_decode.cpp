@@ -5,8 +5,9 @@
 // channels, score every page of the row's view by its min/max bound, take
 // the top pages by the token-count weighted, SparQ-tempered softmax
 // averaged over the query group, then attend exactly over those pages'
-// tokens. PyTorch needs ~40 small operators for this; here it is one call,
-// parallel over rows x KV heads with OpenMP.
+// tokens. PyTorch needs ~40 small operators for this; here it is one call.
+// It runs on the calling thread: an OpenMP runtime of our own would fight
+// the one torch and vLLM's CPU worker (which pins its threads) already run.
 //
 // The KV cache is vLLM CPU_ATTN's: each head's block holds block_size K
 // rows then block_size V rows of d elements, K packed per `layout`:
@@ -72,7 +73,6 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
   const int64_t ps = page_size;
 
   // 1. KT update: the newest key of every row into its page's min | max.
-#pragma omp parallel for collapse(2)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t pos = sl_p[b] - 1;
@@ -92,7 +92,6 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
   }
 
   // 2. Page choice and sparse attention per (row, KV head).
-#pragma omp parallel for collapse(2) schedule(dynamic)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const int64_t seq = sl_p[b];

@@ -1,7 +1,7 @@
 """Stage 2 on CPU as one native call (``kernels/cpu_hsa_decode.cpp``).
 
-Built on first use with PyTorch's C++ extension loader (g++ and OpenMP;
-cached per machine under ``TORCH_EXTENSIONS_DIR``, default
+Built on first use with PyTorch's C++ extension loader (g++; cached per
+machine under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) and loaded in every process that needs it.
 Same math as ``batched.hsa_decode_batch``, its test oracle; it reads the KV
 cache in CPU_ATTN's own layouts (``paged.split_kv``: head_rows, cpu_vec,
@@ -26,8 +26,7 @@ def _extension():
     return load(
         name="rocketkv_cpu_hsa_decode",
         sources=[str(source)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
+        extra_cflags=["-O3", "-march=native"],
         verbose=False,
     )
 
