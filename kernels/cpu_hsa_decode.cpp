@@ -148,6 +148,7 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = &q_chan[g * r];
           float s = 0.f;
+#pragma omp simd reduction(+ : s)
           for (int64_t i = 0; i < r; ++i) s += qg[i] * bound[i];
           logits[g * num_pages + p] = s * inv_tau[g];
         }
@@ -170,36 +171,54 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       std::iota(order.begin(), order.end(), 0);
       std::partial_sort(order.begin(), order.begin() + n, order.end(),
                         [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
-      // Exact attention over the chosen pages' tokens (online softmax).
-      std::vector<float> m(G, -std::numeric_limits<float>::infinity()), den(G, 0.f),
-          acc(G * d, 0.f), key(d), val(d);
+      // Exact attention over the chosen pages' tokens: gather them into
+      // float rows, then logits, softmax and the weighted sum of values per
+      // query head, in loops the compiler vectorizes.
+      int64_t num_tokens = 0;
+      for (int64_t i = 0; i < n; ++i) num_tokens += page_tokens[order[i]];
+      std::vector<float> keys(num_tokens * d), vals(num_tokens * d), w(num_tokens),
+          acc(d);
+      int64_t t = 0;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = order[i];
-        for (int64_t t = 0; t < page_tokens[p]; ++t) {
-          const int64_t slot = page_start[p] + t;
+        for (int64_t j = 0; j < page_tokens[p]; ++j, ++t) {
+          const int64_t slot = page_start[p] + j;
           const int64_t block = table[b * table_stride + slot / bs], off = slot % bs;
           const T* head = kv + block * cache.block_stride + h * cache.head_stride;
+          float* key = &keys[t * d];
+          float* val = &vals[t * d];
           for (int64_t c = 0; c < d; ++c) {
             key[c] = static_cast<float>(head[cache.k_off(off, c)]);
             val[c] = static_cast<float>(head[cache.v_off(off, c)]);
           }
-          for (int64_t g = 0; g < G; ++g) {
-            float s = 0.f;
-            for (int64_t c = 0; c < d; ++c) s += q[g * d + c] * key[c];
-            s *= static_cast<float>(scale);
-            const float m_new = std::max(m[g], s);
-            const float correction = std::exp(m[g] - m_new), w = std::exp(s - m_new);
-            den[g] = den[g] * correction + w;
-            for (int64_t c = 0; c < d; ++c)
-              acc[g * d + c] = acc[g * d + c] * correction + w * val[c];
-            m[g] = m_new;
-          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
+        const float* qg = &q[g * d];
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t u = 0; u < num_tokens; ++u) {
+          const float* key = &keys[u * d];
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t c = 0; c < d; ++c) s += qg[c] * key[c];
+          w[u] = s * static_cast<float>(scale);
+          peak = std::max(peak, w[u]);
+        }
+        float den = 0.f;
+        for (int64_t u = 0; u < num_tokens; ++u) {
+          w[u] = std::exp(w[u] - peak);
+          den += w[u];
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t u = 0; u < num_tokens; ++u) {
+          const float* val = &vals[u * d];
+          const float wu = w[u];
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) acc[c] += wu * val[c];
+        }
         T* o = o_ptr + (b * Hq + h * G + g) * d;
-        const float inv = den[g] > 0.f ? 1.f / den[g] : 0.f;
-        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[g * d + c] * inv);
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
       }
     }
   }

@@ -13,7 +13,7 @@ at token budget B (tokens attended per decode step):
 - ``rocketkv``: ``{"token_budget": B, "max_new_tokens": T}`` (SPEC §1 split;
   T = the longest generation of the run, the length the split assumes).
 - ``snapkv`` (Stage 1 only): ``{"prompt_budget": B, "page_size": 4,
-  "topk": >= B + T, "force_current_page": false}``: keep B tokens per KV
+  "topk": >= B + T + 8, "force_current_page": false}``: keep B tokens per KV
   head, attend to everything kept.
 - ``quest`` (Stage 2 only): ``{"evict": false, "page_size": 16, "topk": B,
   "force_current_page": false}``: nothing evicted, min/max page scores over
@@ -99,8 +99,10 @@ def method_settings(method: str, budget: int | None, max_tokens: int) -> dict | 
     if method == "rocketkv":
         return {"token_budget": b, "max_new_tokens": max_tokens}
     if method == "snapkv":
+        # The kept part and the tail may each end in a partial page: two
+        # pages of slack make the selection cover the whole view.
         return {"prompt_budget": b, "page_size": 4,
-                "topk": -(-(b + max_tokens) // 4) * 4, "force_current_page": False}
+                "topk": -(-(b + max_tokens) // 4) * 4 + 8, "force_current_page": False}
     if method == "quest":
         return {"evict": False, "page_size": 16, "topk": b, "force_current_page": False}
     if method == "oracle":
