@@ -32,6 +32,20 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+def load_script(name: str):
+    """A module from scripts/ (not a package), imported by file path."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def make_llm(model_path: str, backend: str, rocketkv: dict | None = None, **kw):
     from vllm import LLM
 

@@ -1,27 +1,18 @@
 """Evicted blocks go back to vLLM's pool: accounting, no reads after, no leaks."""
 
-import importlib.util
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_script
 from rocketkv_vllm.config import parse_config, resolve_settings
 from rocketkv_vllm.kv_cache import RocketKVAttentionSpec, make_rocketkv_spec
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_capacity", ROOT / "scripts" / "bench_capacity.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_capacity"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_capacity")
 
 
 def test_spec_counts_kt_pages_in_every_block():

@@ -8,25 +8,17 @@ the other) to keep the test to a few minutes on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine
+from conftest import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.engine
 
 
 def _load_test_module():
-    spec = importlib.util.spec_from_file_location(
-        "load_test", ROOT / "scripts" / "load_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["load_test"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("load_test")
 
 
 def test_prompt_mix_is_seeded_and_exact(tokenizer):
