@@ -11,7 +11,8 @@ not compressed. ROCKETKV adds only what RocketKV changes:
   blocks, build KT pages. The scheduler hands the freed blocks to other
   requests from the next step on, so it cannot wait.
 - Stage 2 (HSA) for every decode token of a compressed request, batched over
-  the step's rows (``batched`` in PyTorch, or the Triton kernels). The
+  the step's rows (Triton kernels on NVIDIA, the C++ kernel of ``cpu_ops``
+  on CPU, ``batched`` PyTorch as the fallback and reference). The
   native call sees such rows with a one-token context, so it does next to
   no work for them, and their output is overwritten.
 
@@ -44,7 +45,13 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from rocketkv_vllm import batched, paged, stats
-from rocketkv_vllm.config import RequestPlan, RocketKVSettings, max_topk, plan_request
+from rocketkv_vllm.config import (
+    RequestPlan,
+    RocketKVSettings,
+    max_topk,
+    plan_request,
+    pow2_at_least,
+)
 from rocketkv_vllm.engine_config import (
     process_settings,
     settings_from_vllm_config,
@@ -215,20 +222,10 @@ class HsaRows:
 
 
 @dataclass
-class Stage1Row:
-    """A compressed request whose chunk holds its prompt's last token."""
-
-    q_start: int
-    q_end: int
-    context_len: int
-    block_row: torch.Tensor
-    plan: RequestPlan
-    key: int  # the request's window-query buffer (stable while it runs)
-
-
-@dataclass
-class WindowRow:
-    """A chunk before the prompt's end holding some observation-window queries."""
+class PromptChunkRow:
+    """A compressed request's prompt chunk that ROCKETKV acts on: one holding
+    some observation-window queries (kept for later), or the one holding the
+    prompt's last token (Stage 1)."""
 
     q_start: int
     q_end: int
@@ -242,15 +239,11 @@ class WindowRow:
 class RocketKVMetadata:
     native: object  # the native backend's metadata for the whole batch
     num_actual_tokens: int
-    window_rows: list[WindowRow] = field(default_factory=list)
-    stage1_rows: list[Stage1Row] = field(default_factory=list)
+    window_rows: list[PromptChunkRow] = field(default_factory=list)
+    stage1_rows: list[PromptChunkRow] = field(default_factory=list)
     # Tokens after a prompt's end inside a multi-token chunk, in order.
     recompute: list[HsaRows] = field(default_factory=list)
     decode: HsaRows | None = None
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 class PromptLengths:
@@ -351,28 +344,23 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         block_table = cm.block_table_tensor
         after = compress & (context_lens >= prompt_lens)  # wholly after the prompt
         decode = after & (q_lens == 1)
-        for i in np.flatnonzero(compress & ~after).tolist():
+        for i in np.flatnonzero(compress & ~decode).tolist():
             plan, n = plans[i], int(prompt_lens[i])
             q_start, q_end = int(qsl[i]), int(qsl[i + 1])
-            if seq_lens[i] < n:
-                if seq_lens[i] > n - w:
-                    md.window_rows.append(WindowRow(
-                        q_start, q_end, int(context_lens[i]), block_table[i], plan,
-                        self._window_key(cm, i)))
-                continue
-            md.stage1_rows.append(Stage1Row(
-                q_start, q_end, int(context_lens[i]), block_table[i], plan,
-                self._window_key(cm, i)))
-            stats.COUNTERS.prompts_compressed += 1
-            stats.COUNTERS.prompt_tokens_evicted += n - plan.prompt_budget
-            # Output tokens recomputed in the same chunk (after a preemption).
-            for t in range(q_start + n - int(context_lens[i]), q_end):
-                md.recompute.append(self._hsa_rows(
-                    np.array([i]), np.array([t]),
-                    np.array([seq_lens[i] - (q_end - 1 - t)]), plans, block_table))
-        for i in np.flatnonzero(after & ~decode).tolist():
-            q_start, q_end = int(qsl[i]), int(qsl[i + 1])
-            for t in range(q_start, q_end):
+            context_len = int(context_lens[i])
+            if not after[i]:
+                row = PromptChunkRow(q_start, q_end, context_len, block_table[i], plan,
+                                     self._window_key(cm, i))
+                if seq_lens[i] < n:
+                    if seq_lens[i] > n - w:
+                        md.window_rows.append(row)
+                    continue
+                md.stage1_rows.append(row)
+                stats.COUNTERS.prompts_compressed += 1
+                stats.COUNTERS.prompt_tokens_evicted += n - plan.prompt_budget
+            # Tokens after the prompt's end in a multi-token chunk (output
+            # recomputed after a preemption): one Stage 2 row each, in order.
+            for t in range(q_start + max(0, n - context_len), q_end):
                 md.recompute.append(self._hsa_rows(
                     np.array([i]), np.array([t]),
                     np.array([seq_lens[i] - (q_end - 1 - t)]), plans, block_table))
@@ -429,7 +417,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         max_pages = int(view_pages.max())
         if self.use_triton:
             # Fewer distinct launch shapes (kernel specializations).
-            max_pages = _pow2_at_least(max_pages)
+            max_pages = pow2_at_least(max_pages)
         c = dict(zip(_HSA_COLUMNS, col))
         hsa = HsaRows(
             tokens=c["token"].long(),
@@ -603,17 +591,17 @@ class RocketKVImpl(AttentionImpl):
         kv_cache[blocks] = 3.0e4
         paged.kt_cache_view(kv_cache, self.settings.page_size)[blocks] = float("nan")
 
-    def _window_queries_here(self, q_start, q_end, context_len, plan, query):
+    def _window_queries_here(self, r: PromptChunkRow, query):
         """(window offset of the first, queries) of this chunk's window part."""
-        window_start = plan.num_prompt_tokens - self.settings.window_size
-        end = min(q_end, q_start + plan.num_prompt_tokens - context_len)
-        first = max(q_start, q_start + window_start - context_len)
-        return context_len + first - q_start - window_start, query[first:end]
+        n = r.plan.num_prompt_tokens
+        window_start = n - self.settings.window_size
+        end = min(r.q_end, r.q_start + n - r.context_len)
+        first = max(r.q_start, r.q_start + window_start - r.context_len)
+        return r.context_len + first - r.q_start - window_start, query[first:end]
 
-    def _keep_window_queries(self, r: WindowRow, query) -> None:
+    def _keep_window_queries(self, r: PromptChunkRow, query) -> None:
         """Remember this chunk's queries that fall in the prompt's window."""
-        offset, q = self._window_queries_here(
-            r.q_start, r.q_end, r.context_len, r.plan, query)
+        offset, q = self._window_queries_here(r, query)
         buf = self._window_queries.pop(r.key, None)
         if buf is None:
             buf = q.new_zeros(self.settings.window_size, *q.shape[1:])
@@ -622,10 +610,9 @@ class RocketKVImpl(AttentionImpl):
             del self._window_queries[next(iter(self._window_queries))]
         buf[offset : offset + q.shape[0]] = q
 
-    def _window_for(self, r: Stage1Row, query) -> torch.Tensor:
+    def _window_for(self, r: PromptChunkRow, query) -> torch.Tensor:
         """The w window queries: earlier chunks' from the buffer, this chunk's."""
-        offset, here = self._window_queries_here(
-            r.q_start, r.q_end, r.context_len, r.plan, query)
+        offset, here = self._window_queries_here(r, query)
         if offset == 0:
             return here
         earlier = self._window_queries.pop(r.key, None)

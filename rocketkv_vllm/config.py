@@ -199,7 +199,7 @@ class RocketKVSettings:
         return asdict(self)
 
 
-def _pow2_at_least(x: float) -> int:
+def pow2_at_least(x: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
 
 
@@ -214,7 +214,7 @@ def resolve_settings(
         # per engine: the SPEC split for the longest prompt the engine takes,
         # rounded up to a power of two (at most one block).
         n = max(1, max_model_len - cfg.max_new_tokens)
-        page_size = min(block_size, _pow2_at_least(split_token_budget(
+        page_size = min(block_size, pow2_at_least(split_token_budget(
             cfg.token_budget, n, cfg.max_new_tokens, head_dim).page_size))
     else:
         page_size = min(4, block_size)

@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # profile in-process
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def parse_method(text: str) -> dict | None:
-    if text == "dense":
-        return None
-    settings = {}
-    for item in text.split("+"):
-        key, _, value = item.partition("=")
-        try:
-            settings[key] = int(value)
-        except ValueError:
-            settings[key] = {"true": True, "false": False}.get(value, value)
-    return settings
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import parse_method  # noqa: E402  (same method syntax)
 
 
 def main() -> None:
@@ -67,7 +58,7 @@ def main() -> None:
         kw["kv_cache_memory_bytes"] = 2 << 30
     if args.block_size:
         kw["block_size"] = args.block_size
-    settings = parse_method(args.method)
+    _, settings = parse_method(args.method)
     if settings is not None:
         kw.update(attention_backend="ROCKETKV", additional_config={"rocketkv": settings})
     llm = LLM(**kw)

@@ -9,8 +9,11 @@ from rocketkv_vllm import batched, cpu_ops, paged
 
 NUM_BLOCKS = 120
 
-pytestmark = pytest.mark.skipif(cpu_ops.build_error() is not None,
-                                reason=f"no C++ build here: {cpu_ops.build_error()}")
+
+def test_the_extension_builds_here():
+    # The engine would fall back to the slower PyTorch path (with a warning);
+    # the install (g++) is meant to give every CPU machine the kernel.
+    assert cpu_ops.build_error() is None
 
 
 def _cache(hkv, d, bs, ps, dtype):
