@@ -16,8 +16,17 @@ at token budget B (tokens attended per decode step):
   "topk": >= B + T + 8, "force_current_page": false}``: keep B tokens per KV
   head, attend to everything kept.
 - ``quest`` (Stage 2 only): ``{"evict": false, "page_size": 16, "topk": B,
-  "force_current_page": false}``: nothing evicted, min/max page scores over
-  all channels, top-B tokens' pages.
+  "force_current_page": true}``: nothing evicted, min/max page scores over
+  all channels, top-B tokens' pages plus the page being written. Without
+  that page SmolLM2 loses every needle within 3-4 tokens even at B = half
+  the context: a page holding 1-2 new tokens has an exact score, full pages
+  an inflated upper bound, so in most layers the newest tokens are dropped
+  (measured: the current page is chosen in 0-1 of 30 layers at the 2nd-3rd
+  generated token, page 16, B = 1024 of 2048). Serving Quest
+  implementations keep the recent page for this reason. Other differences
+  to Quest's own evaluation code: it keeps layers 0-1 dense and bounds each
+  query head separately; here a GQA group shares one page set (RocketKV's
+  scoring, the same kernels as the other methods).
 - ``oracle``: ``{"evict": false, "page_size": 1, "topk": B,
   "force_current_page": false}``: pages of one token over all channels score
   exactly q.k, so this attends to the top-B tokens by true attention score.
@@ -104,7 +113,7 @@ def method_settings(method: str, budget: int | None, max_tokens: int) -> dict | 
         return {"prompt_budget": b, "page_size": 4,
                 "topk": -(-(b + max_tokens) // 4) * 4 + 8, "force_current_page": False}
     if method == "quest":
-        return {"evict": False, "page_size": 16, "topk": b, "force_current_page": False}
+        return {"evict": False, "page_size": 16, "topk": b, "force_current_page": True}
     if method == "oracle":
         return {"evict": False, "page_size": 1, "topk": b, "force_current_page": False}
     raise SystemExit(f"unknown method {method!r}: choose from {METHODS}")

@@ -113,7 +113,7 @@ def test_method_settings():
     assert snap["prompt_budget"] == 128 and snap["topk"] % 4 == 0
     assert snap["topk"] >= 128 + 63 and snap["force_current_page"] is False
     assert mod.method_settings("quest", 256, 64) == {
-        "evict": False, "page_size": 16, "topk": 256, "force_current_page": False}
+        "evict": False, "page_size": 16, "topk": 256, "force_current_page": True}
     assert mod.method_settings("oracle", 256, 64)["page_size"] == 1
     assert mod.method_settings("rocketkv", 256, 64)["token_budget"] == 256
 
