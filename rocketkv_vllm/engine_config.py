@@ -139,6 +139,16 @@ def configure_engine(vllm_config) -> None:
 
     model_config.model_arch_config.rswa_window = RSWA_MARKER_WINDOW
 
+    tp = parallel.tensor_parallel_size
+    kv_heads = model_config.get_total_num_kv_heads()
+    if tp > kv_heads:
+        # vLLM then replicates KV heads: each replica scores tokens and pages
+        # with only its own rank's query heads, not the whole GQA group.
+        logger.warning(
+            "ROCKETKV: tensor_parallel_size=%d > %d KV heads: each replicated KV "
+            "head selects tokens for its own rank's query heads only, so outputs "
+            "can differ from tensor_parallel_size <= %d.", tp, kv_heads, kv_heads)
+
     if settings not in _logged_settings:
         _logged_settings.add(settings)
         example = plan_request(settings, model_config.max_model_len // 2)
