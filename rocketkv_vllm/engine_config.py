@@ -144,7 +144,7 @@ def configure_engine(vllm_config) -> None:
     if tp > kv_heads:
         # vLLM then replicates KV heads: each replica scores tokens and pages
         # with only its own rank's query heads, not the whole GQA group.
-        logger.warning(
+        logger.warning_once(
             "ROCKETKV: tensor_parallel_size=%d > %d KV heads: each replicated KV "
             "head selects tokens for its own rank's query heads only, so outputs "
             "can differ from tensor_parallel_size <= %d.", tp, kv_heads, kv_heads)

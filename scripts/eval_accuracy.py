@@ -21,9 +21,10 @@ at token budget B (tokens attended per decode step):
   that page SmolLM2 loses every needle within 3-4 tokens even at B = half
   the context: a page holding 1-2 new tokens has an exact score, full pages
   an inflated upper bound, so in most layers the newest tokens are dropped
-  (measured: the current page is chosen in 0-1 of 30 layers at the 2nd-3rd
-  generated token, page 16, B = 1024 of 2048). Serving Quest
-  implementations keep the recent page for this reason. Other differences
+  (``scripts/page_recall.py``, page 16: the current page is chosen in 1
+  and 6 of 30 layers at the 2nd and 3rd generated token at B = 1024 of
+  2048, in 0 of 30 at B = 256).
+  Serving Quest implementations (e.g. SGLang's) keep recent pages too. Other differences
   to Quest's own evaluation code: it keeps layers 0-1 dense and bounds each
   query head separately; here a GQA group shares one page set (RocketKV's
   scoring, the same kernels as the other methods).

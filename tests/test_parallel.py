@@ -10,6 +10,7 @@ import pytest
 
 from conftest import greedy, make_llm, shutdown
 from rocketkv_vllm.config import parse_config, plan_request, resolve_settings
+from rocketkv_vllm.engine_config import DEFAULT_CPU_BLOCK_SIZE
 
 pytestmark = pytest.mark.engine
 
@@ -23,7 +24,9 @@ def test_tensor_parallel_3_matches_one_process(model_path, tokenizer, monkeypatc
 
     samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
     prompts = [TokensPrompt(prompt_token_ids=s.token_ids) for s in samples]
-    settings = resolve_settings(parse_config(ROCKETKV), 32, 64, 1100)
+    head_dim = 64  # SmolLM2-135M
+    settings = resolve_settings(parse_config(ROCKETKV), DEFAULT_CPU_BLOCK_SIZE,
+                                head_dim, 1100)
     assert all(plan_request(settings, len(s.token_ids)).compress for s in samples)
 
     outputs = {}
