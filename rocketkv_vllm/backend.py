@@ -44,11 +44,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from rocketkv_vllm import batched, paged, stats
+from rocketkv_vllm import batched, paged, request_budget, stats
 from rocketkv_vllm.config import (
     RequestPlan,
     RocketKVSettings,
-    max_topk,
     plan_request,
     pow2_at_least,
 )
@@ -295,20 +294,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self.use_triton = uses_triton(self.settings)
         self.use_native_cpu = (not self.use_triton and native_cpu_stage2(
             self.settings.kernel, native.kv_layout))
-        self.max_select = max(max_topk(self.settings) // self.settings.page_size, 1)
         self.prompt_lengths = PromptLengths()
-        self._plans: dict[int, RequestPlan] = {}
+        request_budget.install_runner_hooks()
         # Host staging for the per-step Stage 2 columns comes from torch's
         # caching pinned allocator, which does not hand a buffer out again
         # before its non-blocking copy has run.
         self._pin = is_pin_memory_available() and torch.device(device).type == "cuda"
-
-    def _plan(self, num_prompt_tokens: int) -> RequestPlan:
-        plan = self._plans.get(num_prompt_tokens)
-        if plan is None:
-            plan = plan_request(self.settings, num_prompt_tokens)
-            self._plans[num_prompt_tokens] = plan
-        return plan
 
     def build(
         self,
@@ -335,7 +326,9 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         seq_lens = seq_src[:num_reqs].cpu().numpy().astype(np.int64)
         context_lens = seq_lens - q_lens
         prompt_lens = self.prompt_lengths.get(cm, context_lens)
-        plans = [self._plan(int(n)) for n in prompt_lens]
+        budgets = request_budget.WORKER_BUDGETS.for_rows(cm)
+        plans = [plan_request(self.settings, n, b)
+                 for n, b in zip(prompt_lens.tolist(), budgets)]
         compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
         if not compress.any():
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
@@ -415,9 +408,11 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         view_pages = (-(-num_compact // s.page_size)
                       - (-(seq_lens - tail_start) // s.page_size))
         max_pages = int(view_pages.max())
+        max_select = int(columns["num_select"].max())
         if self.use_triton:
             # Fewer distinct launch shapes (kernel specializations).
             max_pages = pow2_at_least(max_pages)
+            max_select = pow2_at_least(max_select)
         c = dict(zip(_HSA_COLUMNS, col))
         hsa = HsaRows(
             tokens=c["token"].long(),
@@ -429,7 +424,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             topr=c["topr"],
             num_select=c["num_select"],
             max_pages=max_pages,
-            max_select=self.max_select,
+            max_select=max_select,
             pages=None,
         )
         if not (self.use_triton or self.use_native_cpu):

@@ -12,9 +12,10 @@ length alone (the block manager is told nothing else about a request).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import resources
 from typing import Any
 
@@ -74,6 +75,10 @@ _INT_RANGES = {
     "topr": (1, 1024),
     "max_new_tokens": (1, _MAX_INT),
 }
+
+
+def token_budget_range() -> tuple[int, int]:
+    return _INT_RANGES["token_budget"]
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -310,8 +315,19 @@ class RequestPlan:
         return (-(-self.num_compact // block_size), self.tail_start // block_size)
 
 
-def plan_request(settings: RocketKVSettings, num_prompt_tokens: int) -> RequestPlan:
+@functools.lru_cache(maxsize=1 << 16)
+def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
+                 token_budget: int | None = None) -> RequestPlan:
+    """The plan for a prompt of this length; ``token_budget`` is the
+    request's own (``request_budget``): None keeps the engine's settings, 0
+    serves the request uncompressed, else the SPEC split of that budget at
+    the engine's page size."""
     n = num_prompt_tokens
+    if token_budget == 0:
+        return RequestPlan(n, False, n, settings.topk, settings.topr, 0,
+                           (n // settings.block_size) * settings.block_size)
+    if token_budget is not None:
+        settings = replace(settings, token_budget=token_budget)
     if settings.token_budget is not None:
         split = split_token_budget(
             settings.token_budget, n, settings.max_new_tokens, settings.head_dim

@@ -3,7 +3,8 @@
 The spec pads every block with room for its KT pages, so vLLM counts them in
 its memory budget and frees them with the block. The manager gives back the
 blocks a compressed request no longer reads, using the same per-request plan
-the backend uses (``config.plan_request``), as soon as the request's prompt is
+the backend uses (``config.plan_request``, with the request's own budget if
+it set one: ``request_budget``), as soon as the request's prompt is
 fully processed.
 """
 
@@ -16,6 +17,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from rocketkv_vllm.config import RocketKVSettings, plan_request
+from rocketkv_vllm.request_budget import install_scheduler_hook, scheduler_budget
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +65,7 @@ class RocketKVManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         assert kv_cache_spec.rocketkv is not None
         self.settings = kv_cache_spec.rocketkv
+        install_scheduler_hook()
 
     def remove_skipped_blocks(
         self,
@@ -78,7 +81,8 @@ class RocketKVManager(FullAttentionManager):
             or processed_computed_tokens < num_prompt_tokens
         ):
             return
-        plan = plan_request(self.settings, num_prompt_tokens)
+        plan = plan_request(self.settings, num_prompt_tokens,
+                            scheduler_budget(request_id))
         start, end = plan.freed_block_range(self.block_size)
         if start < end:
             self._remove_blocks_in_range(request_id, start, end)

@@ -5,7 +5,8 @@ loaded by ``AsyncLLM``, i.e. by the OpenAI server, in its API-server process.
 It does nothing unless the engine's attention backend is ROCKETKV.
 
 Every ROCKETKV decision about a request is a pure function of the engine's
-settings and the request's prompt length (``config.plan_request``), the same
+settings, the request's prompt length and the budget the request may set
+(``config.plan_request``, ``request_budget``), the same
 function the scheduler (block freeing) and the backend (Stage 1 / Stage 2)
 use. So the counters are derived here, in the frontend, from the outputs vLLM
 already streams back for every request: no counter lives in a worker, and the
@@ -54,6 +55,7 @@ from rocketkv_vllm.config import (
     plan_request,
     resolve_settings,
 )
+from rocketkv_vllm.request_budget import params_token_budget
 
 # Under the "vllm" logger so records show with vLLM's own formatting/level.
 logger = init_logger(f"vllm.{__name__}")
@@ -67,6 +69,8 @@ ATTENDED_BUCKETS = tuple(float(1 << i) for i in range(4, 18))  # 16 .. 131072
 # request output of the iteration was (see _install_output_hook).
 _OUTPUTS_ATTR = "_rocketkv_outputs"
 _HOOKED = "_rocketkv_metrics_hook"
+# Attribute of the frontend's RequestState holding the request's own budget.
+_BUDGET_ATTR = "_rocketkv_token_budget"
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class RequestOutputFact:
     was_prefilling: bool  # the output that ends the prefill
     num_new_tokens: int
     num_generated: int  # the request's generated tokens, this output included
+    token_budget: int | None = None  # the request's own (request_budget)
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,7 @@ def settings_for(vllm_config) -> RocketKVSettings:
 
 def _install_output_hook() -> bool:
     """Record, on each IterationStats, every request output of the iteration
-    with its request's prompt length and generated-token count.
+    with its request's prompt length, generated-token count and budget.
 
     vLLM's IterationStats keeps only batch totals of prompt tokens, and its
     per-request FinishedRequestStats are not made for aborted requests (a
@@ -149,6 +154,7 @@ def _install_output_hook() -> bool:
 
     if getattr(OutputProcessor, _HOOKED, False):
         return True
+    original_add = OutputProcessor.add_request
     original = OutputProcessor._update_stats_from_output
     expected = ["self", "req_state", "engine_core_output",
                 "engine_core_timestamp", "iteration_stats"]
@@ -156,6 +162,12 @@ def _install_output_hook() -> bool:
         logger.warning("ROCKETKV metrics disabled: vLLM's "
                        "OutputProcessor._update_stats_from_output changed.")
         return False
+
+    def add_request(self, request, *args, **kwargs):
+        original_add(self, request, *args, **kwargs)
+        state = self.request_states.get(request.request_id)
+        if state is not None:
+            setattr(state, _BUDGET_ATTR, params_token_budget(request.sampling_params))
 
     def _update_stats_from_output(self, req_state, engine_core_output,
                                   engine_core_timestamp, iteration_stats):
@@ -170,8 +182,10 @@ def _install_output_hook() -> bool:
         outputs = iteration_stats.__dict__.setdefault(_OUTPUTS_ATTR, [])
         outputs.append(RequestOutputFact(
             req_state.request_id, req_state.prompt_len, was_prefilling, num_new,
-            req_state.stats.num_generation_tokens))
+            req_state.stats.num_generation_tokens,
+            getattr(req_state, _BUDGET_ATTR, None)))
 
+    OutputProcessor.add_request = add_request
     OutputProcessor._update_stats_from_output = _update_stats_from_output
     setattr(OutputProcessor, _HOOKED, True)
     return True
@@ -199,7 +213,6 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         if not self.enabled:
             return
         self.settings = settings_for(vllm_config)
-        self._plans: dict[int, RequestPlan] = {}
         model_name = vllm_config.model_config.served_model_name
         labelnames = ["model_name", "engine"]
         labels = {i: [model_name, str(i)] for i in self.engine_indexes}
@@ -249,15 +262,6 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         for i in self.engine_indexes:
             info_gauge.labels(*labels[i], *(str(info[k]) for k in sorted(info))).set(1)
 
-    def _plan(self, num_prompt_tokens: int) -> RequestPlan:
-        plan = self._plans.get(num_prompt_tokens)
-        if plan is None:
-            if len(self._plans) > 65536:
-                self._plans.clear()
-            plan = self._plans[num_prompt_tokens] = plan_request(
-                self.settings, num_prompt_tokens)
-        return plan
-
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                engine_idx: int = 0):
         if not self.enabled or iteration_stats is None:
@@ -266,7 +270,8 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         if not outputs or engine_idx not in self.prompts_compressed:
             return
         for out in outputs:
-            plan = self._plan(out.num_prompt_tokens)
+            plan = plan_request(self.settings, out.num_prompt_tokens,
+                                out.token_budget)
             if not plan.compress:
                 continue
             if out.was_prefilling:

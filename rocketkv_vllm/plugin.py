@@ -14,7 +14,8 @@ the ``vllm.general_plugins`` entry point; every step is idempotent.
    on every platform (errors name ROCKETKV) and honoured; on CPU, vLLM would
    otherwise always pick CPU_ATTN.
 4. Requests ROCKETKV cannot serve (streaming-input sessions; a per-request
-   seed on vLLM's CPU build) get a validation error (``_validate_requests``).
+   seed on vLLM's CPU build; a bad per-request budget) get a validation
+   error (``_validate_requests``).
 5. ROCKETKV's KV cache spec is registered with its block manager.
 """
 
@@ -105,11 +106,15 @@ def _validate_requests() -> None:
       compaction ROCKETKV would attend over blocks it gave back;
     - on vLLM's CPU build, a per-request seed: its model runner rewinds the
       request's torch generator after a partial prefill step, which CPU
-      generators cannot do, and the engine dies (vLLM 0.32, every backend).
+      generators cannot do, and the engine dies (vLLM 0.32, every backend);
+    - a per-request budget (``request_budget``) out of range.
     """
     from vllm.exceptions import VLLMValidationError
     from vllm.platforms import current_platform
     from vllm.v1.engine.input_processor import InputProcessor
+
+    from rocketkv_vllm.config import RocketKVConfigError
+    from rocketkv_vllm.request_budget import REQUEST_BUDGET_KEY, params_token_budget
 
     if getattr(InputProcessor, _PATCHED, False):
         return
@@ -125,6 +130,12 @@ def _validate_requests() -> None:
                 "sessions (a live request's prompt would grow after its KV "
                 "cache was compressed)", parameter="prompt")
         params = kwargs.get("params", args[2] if len(args) > 2 else None)
+        try:
+            params_token_budget(params)
+        except RocketKVConfigError as e:
+            raise VLLMValidationError(
+                str(e), parameter=f"vllm_xargs.{REQUEST_BUDGET_KEY}",
+                value=params.extra_args[REQUEST_BUDGET_KEY]) from None
         if current_platform.is_cpu() and getattr(params, "seed", None) is not None:
             raise VLLMValidationError(
                 "ROCKETKV on vLLM's CPU build does not accept a per-request seed: "

@@ -201,3 +201,103 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
             plan.tail_start, n + 1, plan.topk, plan.topr, s.page_size, D**-0.5,
             s.force_current_page)
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_rows_follow_their_requests_budgets(builder, runner):
+    """Per-request budgets (``request_budget``) as each model runner's hook
+    leaves them: V2 per request slot, V1 per row of this step. A row with
+    budget 0 stays dense, one with its own budget gets that budget's plan,
+    the others the engine's; the selection buffers fit the largest."""
+    from rocketkv_vllm.request_budget import WORKER_BUDGETS
+
+    s = builder.settings
+    rows = [(3000, 1, 3000), (3000, 1, 3000), (3000, 1, 3000), (2000, 1, 2000)]
+    budgets = [0, 2048, None, 64]
+    try:
+        if runner == "v2":
+            WORKER_BUDGETS.by_slot.update(zip((30, 31, 32, 33), budgets))
+            cm = _cm(rows, _block_table(4), req_idx=[30, 31, 32, 33])
+        else:
+            WORKER_BUDGETS.rows = budgets[:3]  # a row past the list: no budget
+            cm = _cm(rows, _block_table(4), prompt_lens="v1")
+        md = builder.build(0, cm)
+    finally:
+        WORKER_BUDGETS.by_slot.clear()
+        WORKER_BUDGETS.rows = []
+    plans = [plan_request(s, n, b) for (_, _, n), b in zip(rows, budgets)]
+    if runner == "v1":
+        plans[3] = plan_request(s, 2000)
+    assert not plans[0].compress
+    assert plans[1].topk > plans[2].topk and plans[1].num_compact > plans[2].num_compact
+    assert md.decode.tokens.tolist() == [1, 2, 3]
+    assert md.decode.topk.tolist() == [p.topk for p in plans[1:]]
+    assert md.decode.num_compact.tolist() == [p.num_compact for p in plans[1:]]
+    assert md.decode.topr.tolist() == [p.topr for p in plans[1:]]
+    assert md.decode.max_select >= max(p.topk // s.page_size for p in plans[1:])
+
+
+def test_model_runner_hooks_record_budgets_per_slot_and_row():
+    """The hooks wrap two vLLM internals (checked by signature) and leave
+    each request's budget where the builder looks: V2 by the slot its request
+    table gives it, V1 by row after the persistent batch is reordered."""
+    import inspect
+    from types import SimpleNamespace
+
+    import vllm.v1.worker.gpu.model_runner as v2
+    import vllm.v1.worker.gpu_model_runner as v1
+
+    from rocketkv_vllm import request_budget
+    from rocketkv_vllm.request_budget import WORKER_BUDGETS
+
+    assert list(inspect.signature(v2.GPUModelRunner.add_requests).parameters) == [
+        "self", "scheduler_output"]
+    assert list(inspect.signature(v1.GPUModelRunner._update_states).parameters) == [
+        "self", "scheduler_output"]
+
+    def new(req_id, budget):
+        args = None if budget is None else {"rocketkv_token_budget": budget}
+        return SimpleNamespace(req_id=req_id, sampling_params=SimpleNamespace(
+            extra_args=args))
+
+    class V2Runner:  # what add_requests does to the request table
+        def __init__(self):
+            self.req_states = SimpleNamespace(req_id_to_index={})
+
+        def add_requests(self, out):
+            for r in out.scheduled_new_reqs:
+                self.req_states.req_id_to_index[r.req_id] = 2 + len(
+                    self.req_states.req_id_to_index)
+
+    class V1Runner:  # _update_states ends with the batch in its final order
+        def __init__(self):
+            self.input_batch = SimpleNamespace(req_ids=[])
+
+        def _update_states(self, out):
+            ids = [r for r in self.input_batch.req_ids if r not in out.finished_req_ids]
+            ids += [r.req_id for r in out.scheduled_new_reqs]
+            self.input_batch.req_ids = sorted(ids)
+
+    request_budget._hook_v2_runner(V2Runner)
+    request_budget._hook_v1_runner(V1Runner)
+    try:
+        runner = V2Runner()
+        runner.add_requests(SimpleNamespace(scheduled_new_reqs=[
+            new("a", 0), new("b", None), new("c", 512)]))
+        cm = SimpleNamespace(num_reqs=3, req_idx=np.array([4, 2, 3]))
+        assert WORKER_BUDGETS.for_rows(cm) == [512, 0, None]
+
+        runner = V1Runner()
+        runner._update_states(SimpleNamespace(
+            finished_req_ids=set(), scheduled_new_reqs=[new("z", 64), new("y", None)]))
+        assert WORKER_BUDGETS.for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
+            None, 64]
+        runner._update_states(SimpleNamespace(
+            finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
+        assert WORKER_BUDGETS.for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
+            0, None]
+        assert "z" not in WORKER_BUDGETS.by_request
+    finally:
+        WORKER_BUDGETS.by_slot.clear()
+        WORKER_BUDGETS.by_request.clear()
+        WORKER_BUDGETS.rows = []

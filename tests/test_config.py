@@ -181,3 +181,36 @@ def test_no_eviction_plan_keeps_everything_and_frees_nothing():
     huge = resolve_settings(parse_config({"prompt_budget": 256, "topk": 1 << 20}),
                             16, 64, 8192)
     assert plan_request(huge, 4000).compress
+
+
+@pytest.mark.parametrize("value", [True, "512", 15, -1, 1.5, (1 << 24) + 1, None])
+def test_bad_request_budget_names_the_field_and_range(value):
+    from rocketkv_vllm.request_budget import request_token_budget
+
+    with pytest.raises(RocketKVConfigError) as err:
+        request_token_budget({"rocketkv_token_budget": value})
+    assert "vllm_xargs.rocketkv_token_budget" in str(err.value)
+    assert "0 (this request uncompressed) or an integer in [16, 16777216]" in str(
+        err.value)
+
+
+def test_request_budget_plans_like_an_engine_with_that_budget():
+    from rocketkv_vllm.request_budget import request_token_budget
+
+    assert request_token_budget(None) is None
+    assert request_token_budget({"other": 1}) is None
+    assert request_token_budget({"rocketkv_token_budget": 0}) == 0
+    assert request_token_budget({"rocketkv_token_budget": 1024}) == 1024
+    engines = [resolve_settings(parse_config(raw), 32, 64, 8192) for raw in (
+        {"token_budget": 256, "page_size": 4},
+        {"prompt_budget": 512, "topk": 64, "page_size": 4},
+    )]
+    want = resolve_settings(parse_config({"token_budget": 1024, "page_size": 4}),
+                            32, 64, 8192)
+    for settings in engines:
+        for n in (700, 3000, 6000):
+            assert plan_request(settings, n, 1024) == plan_request(want, n)
+            off = plan_request(settings, n, 0)
+            assert not off.compress and off.freed_block_range(32) == (0, 0)
+            assert plan_request(settings, n, None) == plan_request(settings, n)
+    assert plan_request(engines[0], 3000, 1024) != plan_request(engines[0], 3000)

@@ -87,6 +87,85 @@ def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer):
     assert [list(t) for t in mixed_ids] == [list(t) for t in alone_ids]
 
 
+def test_per_request_budget_matches_an_engine_with_that_budget(
+        model_path, tokenizer, monkeypatch):
+    """One batch mixing requests with their own budget (``extra_args``), with
+    budget 0 (uncompressed) and with none (the engine's): each gives the tokens
+    and logprobs of an engine configured that way, and the scheduler gives
+    back exactly the blocks of that request's plan. Evicted blocks are
+    poisoned before they go back, so a backend reading any freed block would
+    change the output."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the scheduler
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from rocketkv_vllm.config import parse_config, plan_request, resolve_settings
+
+    p1 = build_needle_prompt(tokenizer, 1400, 0.4, seed=31).prompt
+    p2 = build_needle_prompt(tokenizer, 2300, 0.6, seed=32).prompt
+
+    def params(budget):
+        return SamplingParams(temperature=0.0, max_tokens=16, logprobs=1,
+                              extra_args=None if budget is None
+                              else {"rocketkv_token_budget": budget})
+
+    def result(out):
+        o = out.outputs[0]
+        return (list(o.token_ids),
+                [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)])
+
+    def run(llm, requests):
+        """Results and, per request, how many of its blocks were given back
+        once its first decode step ran."""
+        engine = llm.llm_engine
+        sched = engine.engine_core.engine_core.scheduler
+        manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+        for i, (prompt, budget) in enumerate(requests):
+            engine.add_request(str(i), prompt, params(budget))
+        done, freed = {}, {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, result(o)) for o in engine.step() if o.finished)
+            for r in sched.running:
+                key = r.request_id.rsplit("-", 1)[0]
+                if r.num_computed_tokens > r.num_prompt_tokens and key not in freed:
+                    blocks = manager.req_to_blocks[r.request_id]
+                    freed[key] = (r.num_prompt_tokens, sum(b.is_null for b in blocks))
+        return [done[str(i)] for i in range(len(requests))], [
+            freed[str(i)] for i in range(len(requests))]
+
+    cfg = {"token_budget": 128, "page_size": 4, "poison_evicted_blocks": True}
+    llm = make_llm(model_path, "ROCKETKV", cfg)
+    requests = [(p1, 0), (p2, 1024), (p1, None), (p2, None)]
+    mixed, freed = run(llm, requests)
+    alone, _ = run(llm, [(p1, None), (p2, None)])
+    with pytest.raises(VLLMValidationError, match="vllm_xargs.rocketkv_token_budget"):
+        llm.generate(p1, params(8), use_tqdm=False)
+    [again] = [result(o) for o in llm.generate(p1, params(0), use_tqdm=False)]
+    shutdown(llm)
+    wide = make_llm(model_path, "ROCKETKV", dict(cfg, token_budget=1024))
+    [want_1024] = [result(o) for o in wide.generate(p2, params(None), use_tqdm=False)]
+    shutdown(wide)
+    dense = make_llm(model_path, "CPU_ATTN", block_size=32)
+    [want_dense] = [result(o) for o in dense.generate(p1, params(None), use_tqdm=False)]
+    shutdown(dense)
+
+    def same(a, b):
+        return a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
+
+    assert same(mixed[0], want_dense) and same(again, want_dense)
+    assert same(mixed[1], want_1024)
+    assert same(mixed[2], alone[0]) and same(mixed[3], alone[1])
+    # The engine's own budget changes p2's logprobs: 1024 was not ignored.
+    assert not same(mixed[3], want_1024)
+    settings = resolve_settings(parse_config(cfg), 32, 64, 8192)
+    want_freed = []
+    for (n, _), (_, budget) in zip(freed, requests):
+        start, end = plan_request(settings, n, budget).freed_block_range(32)
+        want_freed.append((n, end - start))
+    assert freed == want_freed
+    assert want_freed[0][1] == 0 and 0 < want_freed[1][1] < want_freed[3][1]
+
+
 NEEDLE_CASES = [(n, d) for n in (2000, 4000, 7000) for d in (0.1, 0.5, 0.9)]
 
 

@@ -133,6 +133,30 @@ def test_stat_logger_counts_what_the_plan_predicts():
         small, 301, settings.page_size)
 
 
+def test_stat_logger_follows_each_requests_own_budget():
+    """A request's own budget (``vllm_xargs``) reaches the counters: 0 counts
+    nothing, 1024 counts that budget's plan, none the engine's."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rocketkv_vllm.metrics import RequestOutputFact, RocketKVStatLogger
+    from rocketkv_vllm.plugin import register
+
+    register()
+    stat_logger = RocketKVStatLogger(_fake_vllm_config(AttentionBackendEnum.CUSTOM), [0])
+    settings = stat_logger.settings
+    n = 3000
+    stats = SimpleNamespace(_rocketkv_outputs=[
+        RequestOutputFact("off", n, True, 1, 1, token_budget=0),
+        RequestOutputFact("own", n, True, 1, 1, token_budget=1024),
+        RequestOutputFact("engine", n, True, 1, 1)])
+    stat_logger.record(None, stats, engine_idx=0)
+    own, engine = plan_request(settings, n, 1024), plan_request(settings, n)
+    assert own.prompt_budget > engine.prompt_budget
+    assert _sample("rocketkv:prompts_compressed_total") == 2
+    assert _sample("rocketkv:prompt_tokens_evicted_total") == (
+        2 * n - own.prompt_budget - engine.prompt_budget)
+
+
 def test_output_hook_matches_vllms_output_processor():
     """The hook wraps a vLLM internal: its signature is checked on install."""
     from vllm.v1.engine.output_processor import OutputProcessor

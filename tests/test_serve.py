@@ -272,6 +272,34 @@ def test_client_disconnecting_mid_stream(server, long_prompt):
     assert _complete(server, "Hello", max_tokens=2).choices[0].finish_reason
 
 
+def test_per_request_budget_in_vllm_xargs(server, long_prompt):
+    """``vllm_xargs`` sets one request's budget: 0 serves the long prompt
+    uncompressed (not counted in rocketkv:prompts_compressed, checked at the
+    end), a budget gives that request its own plan; a bad value is a 400
+    naming the field, for completions and chat alike."""
+    import openai
+
+    before = metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total")
+    for budget in (0, 512):
+        out = _complete(server, long_prompt, max_tokens=4,
+                        extra_body={"ignore_eos": True,
+                                    "vllm_xargs": {"rocketkv_token_budget": budget}})
+        assert out.choices[0].finish_reason == "length"
+    after = metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total")
+    assert after - before == 1  # the 512 one (1500 tokens > its prompt budget)
+    for bad in (8, "many", -1):
+        with pytest.raises(openai.BadRequestError) as err:
+            _complete(server, long_prompt, max_tokens=4,
+                      extra_body={"vllm_xargs": {"rocketkv_token_budget": bad}})
+        assert err.value.status_code == 400
+        assert "rocketkv_token_budget" in str(err.value)
+    with pytest.raises(openai.BadRequestError):
+        server.client().chat.completions.create(
+            model=server.model, messages=CHAT, max_tokens=4,
+            extra_body={"vllm_xargs": {"rocketkv_token_budget": 15}})
+    assert server.proc.poll() is None
+
+
 def test_prompt_longer_than_the_model_maximum_is_a_clean_400(server, tokenizer):
     import openai
 
@@ -301,8 +329,9 @@ def test_kv_cache_is_empty_after_all_requests(server):
     log = server.log()
     assert "Traceback" not in log, log[-5000:]
     # Every request with the long prompt was compressed, the disconnected one
-    # included: 2 (plain, streamed) + 3 (n=3) + 3 (stop) + 1 (disconnect).
-    assert metric_value(text, "rocketkv:prompts_compressed_total") == 9
+    # included, but the one with budget 0: 2 (plain, streamed) + 3 (n=3) +
+    # 3 (stop) + 1 (disconnect) + 1 (its own budget 512).
+    assert metric_value(text, "rocketkv:prompts_compressed_total") == 10
 
 
 def test_invalid_settings_stop_startup_naming_the_field(model_path):
