@@ -22,6 +22,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -44,6 +46,58 @@ struct Cache {
     return bs * d + s * d + c;
   }
 };
+
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+inline float bf16_pair_lo(uint32_t u) {
+  const uint32_t bits = u << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float bf16_pair_hi(uint32_t u) {
+  const uint32_t bits = u & 0xffff0000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Token `s` of a head's block as float K and V rows. The AMX layout keeps
+// bf16 channels in pairs (K: two channels of one token; V: one channel of two
+// tokens) in 32-bit words: one load per pair, no per-element index math.
+template <typename T, int LAYOUT>
+inline void load_token(const Cache<LAYOUT>& cache, const T* head, int64_t s, float* key,
+                       float* val) {
+  const int64_t d = cache.d;
+  if constexpr (LAYOUT == 2 && std::is_same_v<T, c10::BFloat16>) {
+    uint32_t word;
+    const T* k = head + (s / 16) * 16 * d + (s % 16) * 2;
+    for (int64_t c = 0; c < d; c += 2) {
+      std::memcpy(&word, k + c * 16, sizeof word);
+      key[c] = bf16_pair_lo(word);
+      key[c + 1] = bf16_pair_hi(word);
+    }
+    const T* v = head + cache.bs * d + (s / 2) * 32;
+    const bool odd = s % 2;
+    for (int64_t c = 0; c < d; ++c) {
+      std::memcpy(&word, v + (c / 16) * 16 * cache.bs + (c % 16) * 2, sizeof word);
+      val[c] = odd ? bf16_pair_hi(word) : bf16_pair_lo(word);
+    }
+  } else {
+    for (int64_t c = 0; c < d; ++c) {
+      key[c] = to_float(head[cache.k_off(s, c)]);
+      val[c] = to_float(head[cache.v_off(s, c)]);
+    }
+  }
+}
 
 template <typename T, int LAYOUT>
 void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
@@ -82,9 +136,9 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       T* page = kt + block * kt_sb + h * kt_sh + (off / ps) * kt_sp;
       const bool fresh = pos % ps == 0;
       for (int64_t c = 0; c < d; ++c) {
-        const float key = static_cast<float>(head[cache.k_off(off, c)]);
-        const float lo = fresh ? key : std::min(static_cast<float>(page[c]), key);
-        const float hi = fresh ? key : std::max(static_cast<float>(page[d + c]), key);
+        const float key = to_float(head[cache.k_off(off, c)]);
+        const float lo = fresh ? key : std::min(to_float(page[c]), key);
+        const float hi = fresh ? key : std::max(to_float(page[d + c]), key);
         page[c] = static_cast<T>(lo);
         page[d + c] = static_cast<T>(hi);
       }
@@ -102,7 +156,7 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       std::vector<float> q(G * d);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t c = 0; c < d; ++c)
-          q[g * d + c] = static_cast<float>(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
+          q[g * d + c] = to_float(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
       // Channels: top-r of the group's summed |q|; sign of the group's sum.
       std::vector<float> mag(d, 0.f), sum(d, 0.f);
       for (int64_t g = 0; g < G; ++g)
@@ -116,25 +170,24 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       std::partial_sort(chan.begin(), chan.begin() + r, chan.end(),
                         [&](int64_t a, int64_t c) { return mag[a] > mag[c]; });
       chan.resize(r);
-      // The bound reads max where the group's sum is positive, else min:
-      // one offset into the page's [min | max] row per chosen channel.
-      std::vector<int64_t> bound_off(r);
-      std::vector<float> q_chan(G * r);
-      for (int64_t i = 0; i < r; ++i) {
-        bound_off[i] = sum[chan[i]] > 0.f ? d + chan[i] : chan[i];
-        for (int64_t g = 0; g < G; ++g) q_chan[g * r + i] = q[g * d + chan[i]];
-      }
-      // SparQ temperature per query head.
-      std::vector<float> inv_tau(G);
+      // The bound reads max where the group's sum is positive, else min: a
+      // query row over the page's whole [min | max] row, zero off the chosen
+      // channels, scaled by the SparQ temperature, so scoring a page is one
+      // dense dot product (the row's cache lines are read whole anyway).
+      std::vector<float> q_row(G * 2 * d, 0.f);
       for (int64_t g = 0; g < G; ++g) {
         float all = 0.f, kept = 0.f;
         for (int64_t c = 0; c < d; ++c) all += std::fabs(q[g * d + c]);
-        for (int64_t i = 0; i < r; ++i) kept += std::fabs(q_chan[g * r + i]);
+        for (int64_t i = 0; i < r; ++i) kept += std::fabs(q[g * d + chan[i]]);
         const float tau = std::sqrt(d * kept / std::max(all, 1e-30f));
-        inv_tau[g] = 1.f / std::max(tau, 1e-30f);
+        const float inv_tau = 1.f / std::max(tau, 1e-30f);
+        for (int64_t i = 0; i < r; ++i) {
+          const int64_t c = chan[i];
+          q_row[g * 2 * d + (sum[c] > 0.f ? d + c : c)] = q[g * d + c] * inv_tau;
+        }
       }
       // Page logits [G, P] and token counts.
-      std::vector<float> logits(G * num_pages), bound(r);
+      std::vector<float> logits(G * num_pages), bound(2 * d);
       std::vector<int64_t> page_start(num_pages), page_tokens(num_pages);
       for (int64_t p = 0; p < num_pages; ++p) {
         const bool in_compact = p < compact_pages;
@@ -144,24 +197,28 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
         page_tokens[p] = std::min<int64_t>(ps, end - start);
         const int64_t block = table[b * table_stride + start / bs];
         const T* page = kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp;
-        for (int64_t i = 0; i < r; ++i) bound[i] = static_cast<float>(page[bound_off[i]]);
+#pragma omp simd
+        for (int64_t k = 0; k < 2 * d; ++k) bound[k] = to_float(page[k]);
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &q_chan[g * r];
+          const float* qg = &q_row[g * 2 * d];
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < r; ++i) s += qg[i] * bound[i];
-          logits[g * num_pages + p] = s * inv_tau[g];
+          for (int64_t k = 0; k < 2 * d; ++k) s += qg[k] * bound[k];
+          logits[g * num_pages + p] = s;
         }
       }
       // Token-count weighted softmax per query head, averaged over the group.
       std::vector<float> probs(num_pages, 0.f);
       for (int64_t g = 0; g < G; ++g) {
-        const float* l = &logits[g * num_pages];
+        float* l = &logits[g * num_pages];
         const float peak = *std::max_element(l, l + num_pages);
         float denom = 0.f;
-        for (int64_t p = 0; p < num_pages; ++p) denom += page_tokens[p] * std::exp(l[p] - peak);
+        for (int64_t p = 0; p < num_pages; ++p) {
+          l[p] = std::exp(l[p] - peak);
+          denom += page_tokens[p] * l[p];
+        }
         const float inv = 1.f / (G * std::max(denom, 1e-30f));
-        for (int64_t p = 0; p < num_pages; ++p) probs[p] += std::exp(l[p] - peak) * inv;
+        for (int64_t p = 0; p < num_pages; ++p) probs[p] += l[p] * inv;
       }
       const int64_t current = compact_pages + (seq - 1 - ts) / ps;
       const int64_t extra = force_current_page ? 1 : 0;
@@ -185,12 +242,7 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
           const int64_t slot = page_start[p] + j;
           const int64_t block = table[b * table_stride + slot / bs], off = slot % bs;
           const T* head = kv + block * cache.block_stride + h * cache.head_stride;
-          float* key = &keys[t * d];
-          float* val = &vals[t * d];
-          for (int64_t c = 0; c < d; ++c) {
-            key[c] = static_cast<float>(head[cache.k_off(off, c)]);
-            val[c] = static_cast<float>(head[cache.v_off(off, c)]);
-          }
+          load_token(cache, head, off, &keys[t * d], &vals[t * d]);
         }
       }
       for (int64_t g = 0; g < G; ++g) {
