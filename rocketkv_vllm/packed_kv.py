@@ -52,6 +52,19 @@ class PackedKV:
             return (blocks, heads, slots // 16, slice(None), slots % 16, slice(None))
         return (blocks, heads, slice(None), slots // 2, slice(None), slots % 2)
 
+    def read_blocks_into(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+        """Whole blocks into ``out`` [len(blocks), Hkv, bs, d] (any strides,
+        any dtype): one gather of the tiles, one copy that unpacks them."""
+        tiles = self.packed[blocks]
+        bs, d = self.shape[2], self.shape[3]
+        if self.kind == "k":  # tiles [n, H, bs/16, d/2, 16, 2]
+            dst = out.unflatten(2, (bs // 16, 16)).unflatten(4, (d // 2, 2))
+            dst = dst.permute(0, 1, 2, 4, 3, 5)
+        else:  # tiles [n, H, d/16, bs/2, 16, 2]
+            dst = out.unflatten(2, (bs // 2, 2)).unflatten(4, (d // 16, 16))
+            dst = dst.permute(0, 1, 4, 2, 5, 3)
+        dst.copy_(tiles)
+
     def __getitem__(self, index) -> torch.Tensor:
         out = self.packed[self._index(index)]
         return out.reshape(*out.shape[:-2], self.shape[-1])

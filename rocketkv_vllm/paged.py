@@ -108,6 +108,22 @@ def write_kv(
     v_cache[blocks, :, offsets] = value[valid].to(v_cache.dtype)
 
 
+def prompt_keys(k_cache, block_row: torch.Tensor, n: int) -> torch.Tensor:
+    """Keys [n, Hkv, d] (fp32) of logical slots [0, n), read block by block
+    (one copy, not per-token indexing: the AMX layout's tiles) into memory
+    laid out [Hkv, d, n], the operand of the window scores' matmul."""
+    _, num_heads, block_size, d = k_cache.shape
+    blocks = block_row[: -(-n // block_size)].long()
+    out = torch.empty(num_heads, d, len(blocks) * block_size, dtype=torch.float32,
+                      device=block_row.device)
+    whole = out.view(num_heads, d, len(blocks), block_size).permute(2, 0, 3, 1)
+    if hasattr(k_cache, "read_blocks_into"):
+        k_cache.read_blocks_into(blocks, whole)
+    else:
+        whole.copy_(k_cache[blocks])
+    return out[:, :, :n].permute(2, 0, 1)
+
+
 def gather_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -240,9 +256,7 @@ def snapkv_compress(
         # scoring, no move; only the KT pages of the whole prompt.
         write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
         return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-    blocks, offsets = physical_slots(
-        block_row, torch.arange(n, device=k_cache.device), k_cache.shape[2])
-    keys = k_cache[blocks, :, offsets]
+    keys = prompt_keys(k_cache, block_row, n)
     kept = snapkv_keep_positions(
         q_window, keys, scale, prompt_budget, kernel_size,
         protect_from=min(n - window, tail_start),

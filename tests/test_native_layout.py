@@ -104,3 +104,23 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
         outs.append((out, kept_k, kept_v))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layout", ["token", "head_rows", "cpu_vec", "cpu_amx"])
+def test_whole_block_reads_match_per_token_reads(layout):
+    """``paged.prompt_keys`` (Stage 1's block-by-block read) and the AMX
+    accessor's ``read_blocks_into`` give what per-token indexing gives."""
+    hkv, bs, d, n = 3, 32, 64, 150
+    kv = torch.randn(9, hkv, bs, 2 * d).to(torch.bfloat16)
+    k, v = paged.split_kv(kv, layout)
+    row = torch.tensor([7, 2, 5, 0, 8], dtype=torch.int32)
+    slots = torch.arange(n)
+    blocks, offsets = row[slots // bs].long(), slots % bs
+    assert torch.equal(paged.prompt_keys(k, row, n), k[blocks, :, offsets].float())
+    if layout == "cpu_amx":
+        for cache in (k, v):
+            out = torch.empty(3, hkv, bs, d, dtype=torch.float64)
+            cache.read_blocks_into(row[:3].long(), out)
+            want = torch.stack([cache[row[i].long().expand(bs), :, torch.arange(bs)]
+                                .transpose(0, 1) for i in range(3)])
+            assert torch.equal(out, want.double())

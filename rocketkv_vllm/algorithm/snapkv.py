@@ -20,13 +20,17 @@ def window_attention_scores(
     w, num_q_heads, d = q_win.shape
     n, num_kv_heads, _ = keys.shape
     group = num_q_heads // num_kv_heads
-    q = q_win.float().view(w, num_kv_heads, group, d)
-    logits = torch.einsum("wkgd,nkd->kgwn", q, keys.float()) * scale
-    q_pos = torch.arange(n - w, n, device=keys.device)
-    future = torch.arange(n, device=keys.device)[None, :] > q_pos[:, None]
-    logits.masked_fill_(future, float("-inf"))
+    # [Hkv, G*w, d] @ [Hkv, d, N]: one contiguous bmm, the scale on the
+    # (small) queries.
+    q = (q_win.float() * scale).view(w, num_kv_heads, group, d)
+    q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * w, d)
+    logits = torch.bmm(q, keys.float().permute(1, 2, 0))
+    # Only the window's own columns can lie in a query's future.
+    window = logits.view(num_kv_heads, group, w, n)[..., n - w:]
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)
+    window.masked_fill_(future, float("-inf"))
     probs = logits.softmax(dim=-1)
-    return probs.sum(dim=(1, 2))[:, : n - w]
+    return probs.sum(dim=1)[:, : n - w]
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
