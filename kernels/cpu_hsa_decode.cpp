@@ -70,32 +70,50 @@ inline float bf16_pair_hi(uint32_t u) {
   return f;
 }
 
-// Token `s` of a head's block as float K and V rows. The AMX layout keeps
-// bf16 channels in pairs (K: two channels of one token; V: one channel of two
-// tokens) in 32-bit words: one load per pair, no per-element index math.
+// Tokens [s0, s0 + n) of one head's block as float K and V rows
+// (row-major, d floats each). The AMX layout keeps bf16 channels in pairs in
+// 32-bit words (K: two channels of one token, consecutive tokens in
+// consecutive words; V: one channel of two neighbouring tokens): one load per
+// pair, and the tokens of a page come from the same cache lines.
 template <typename T, int LAYOUT>
-inline void load_token(const Cache<LAYOUT>& cache, const T* head, int64_t s, float* key,
-                       float* val) {
-  const int64_t d = cache.d;
+inline void load_tokens(const Cache<LAYOUT>& cache, const T* head, int64_t s0, int64_t n,
+                        float* keys, float* vals) {
+  const int64_t d = cache.d, bs = cache.bs;
   if constexpr (LAYOUT == 2 && std::is_same_v<T, c10::BFloat16>) {
     uint32_t word;
-    const T* k = head + (s / 16) * 16 * d + (s % 16) * 2;
-    for (int64_t c = 0; c < d; c += 2) {
-      std::memcpy(&word, k + c * 16, sizeof word);
-      key[c] = bf16_pair_lo(word);
-      key[c + 1] = bf16_pair_hi(word);
+    for (int64_t s = s0; s < s0 + n;) {
+      // K: word (c / 2) * 16 + s % 16 of the 16-token group holding s.
+      const int64_t run = std::min<int64_t>(s0 + n - s, 16 - s % 16);
+      const T* k = head + (s / 16) * 16 * d + (s % 16) * 2;
+      float* rows = keys + (s - s0) * d;
+      for (int64_t c = 0; c < d; c += 2)
+        for (int64_t j = 0; j < run; ++j) {
+          std::memcpy(&word, k + c * 16 + j * 2, sizeof word);
+          rows[j * d + c] = bf16_pair_lo(word);
+          rows[j * d + c + 1] = bf16_pair_hi(word);
+        }
+      s += run;
     }
-    const T* v = head + cache.bs * d + (s / 2) * 32;
-    const bool odd = s % 2;
-    for (int64_t c = 0; c < d; ++c) {
-      std::memcpy(&word, v + (c / 16) * 16 * cache.bs + (c % 16) * 2, sizeof word);
-      val[c] = odd ? bf16_pair_hi(word) : bf16_pair_lo(word);
+    const T* v = head + bs * d;
+    for (int64_t s = s0; s < s0 + n; s = (s | 1) + 1) {
+      // V: tokens s & ~1 and s | 1 share one word per channel.
+      const T* pair = v + (s / 2) * 32;
+      const bool has_even = s % 2 == 0, has_odd = (s | 1) < s0 + n;
+      float* even = has_even ? vals + (s - s0) * d : nullptr;
+      float* odd = has_odd ? vals + ((s | 1) - s0) * d : nullptr;
+      for (int64_t g = 0; g < d; g += 16)
+        for (int64_t c = g; c < g + 16; ++c) {
+          std::memcpy(&word, pair + g * bs + (c - g) * 2, sizeof word);
+          if (has_even) even[c] = bf16_pair_lo(word);
+          if (has_odd) odd[c] = bf16_pair_hi(word);
+        }
     }
   } else {
-    for (int64_t c = 0; c < d; ++c) {
-      key[c] = to_float(head[cache.k_off(s, c)]);
-      val[c] = to_float(head[cache.v_off(s, c)]);
-    }
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < d; ++c) {
+        keys[j * d + c] = to_float(head[cache.k_off(s0 + j, c)]);
+        vals[j * d + c] = to_float(head[cache.v_off(s0 + j, c)]);
+      }
   }
 }
 
@@ -226,8 +244,9 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       const int64_t n = std::min<int64_t>(std::max<int64_t>(ns_p[b], 1) + extra, num_pages);
       std::vector<int64_t> order(num_pages);
       std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + n, order.end(),
-                        [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
+      // The n most probable pages first (in no particular order).
+      std::nth_element(order.begin(), order.begin() + (n - 1), order.end(),
+                       [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
       // Exact attention over the chosen pages' tokens: gather them into
       // float rows, then logits, softmax and the weighted sum of values per
       // query head, in loops the compiler vectorizes.
@@ -238,12 +257,12 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       int64_t t = 0;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t p = order[i];
-        for (int64_t j = 0; j < page_tokens[p]; ++j, ++t) {
-          const int64_t slot = page_start[p] + j;
-          const int64_t block = table[b * table_stride + slot / bs], off = slot % bs;
-          const T* head = kv + block * cache.block_stride + h * cache.head_stride;
-          load_token(cache, head, off, &keys[t * d], &vals[t * d]);
-        }
+        // A page lies in one block (page_size divides block_size).
+        const int64_t slot = page_start[p];
+        const int64_t block = table[b * table_stride + slot / bs];
+        const T* head = kv + block * cache.block_stride + h * cache.head_stride;
+        load_tokens(cache, head, slot % bs, page_tokens[p], &keys[t * d], &vals[t * d]);
+        t += page_tokens[p];
       }
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = &q[g * d];

@@ -26,8 +26,11 @@ def _extension():
     return load(
         name="rocketkv_cpu_hsa_decode",
         sources=[str(source)],
-        # -fopenmp-simd: vectorize the marked loops, no OpenMP runtime.
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+        # -fopenmp-simd: vectorize the marked loops, no OpenMP runtime;
+        # 512-bit vectors where the CPU has them (GCC prefers 256 by default;
+        # measured 1.5x faster Stage 2 on this AVX-512 machine).
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd",
+                      "-mprefer-vector-width=512"],
         verbose=False,
     )
 

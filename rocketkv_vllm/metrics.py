@@ -55,7 +55,7 @@ from rocketkv_vllm.config import (
     plan_request,
     resolve_settings,
 )
-from rocketkv_vllm.request_budget import params_token_budget
+from rocketkv_vllm.request_budget import planned_budget
 
 # Under the "vllm" logger so records show with vLLM's own formatting/level.
 logger = init_logger(f"vllm.{__name__}")
@@ -167,7 +167,7 @@ def _install_output_hook() -> bool:
         original_add(self, request, *args, **kwargs)
         state = self.request_states.get(request.request_id)
         if state is not None:
-            setattr(state, _BUDGET_ATTR, params_token_budget(request.sampling_params))
+            setattr(state, _BUDGET_ATTR, planned_budget(request.sampling_params))
 
     def _update_stats_from_output(self, req_state, engine_core_output,
                                   engine_core_timestamp, iteration_stats):

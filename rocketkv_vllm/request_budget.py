@@ -56,6 +56,17 @@ def params_token_budget(params) -> int | None:
     return request_token_budget(getattr(params, "extra_args", None))
 
 
+def planned_budget(params) -> int | None:
+    """The budget every process plans a request with. Values were checked
+    when the request arrived; one that was not (a request handed to the
+    engine core directly) plans with the engine's settings everywhere rather
+    than stopping the scheduler or a worker."""
+    try:
+        return params_token_budget(params)
+    except RocketKVConfigError:
+        return None
+
+
 # Scheduler process: running requests that carry a budget, by request id.
 # Weak: an entry leaves with the scheduler's Request object.
 _scheduled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -63,7 +74,7 @@ _scheduled: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def scheduler_budget(request_id: str) -> int | None:
     request = _scheduled.get(request_id)
-    return None if request is None else params_token_budget(request.sampling_params)
+    return None if request is None else planned_budget(request.sampling_params)
 
 
 def install_scheduler_hook() -> None:
@@ -74,7 +85,7 @@ def install_scheduler_hook() -> None:
     original = Scheduler.add_request
 
     def add_request(self, request) -> None:
-        if params_token_budget(request.sampling_params) is not None:
+        if planned_budget(request.sampling_params) is not None:
             _scheduled[request.request_id] = request
         original(self, request)
 
@@ -116,7 +127,7 @@ def _hook_v1_runner(runner_cls) -> None:
         for req_id in scheduler_output.finished_req_ids:
             budgets.by_request.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
-            budget = params_token_budget(new.sampling_params)
+            budget = planned_budget(new.sampling_params)
             if budget is None:
                 budgets.by_request.pop(new.req_id, None)
             else:
@@ -139,7 +150,7 @@ def _hook_v2_runner(runner_cls) -> None:
         for new in scheduler_output.scheduled_new_reqs:
             slot = index.get(new.req_id)
             if slot is not None:
-                WORKER_BUDGETS.by_slot[slot] = params_token_budget(new.sampling_params)
+                WORKER_BUDGETS.by_slot[slot] = planned_budget(new.sampling_params)
 
     runner_cls.add_requests = add_requests
 

@@ -21,6 +21,8 @@ each (greedy, ignore EOS), prefix caching off for all. Per method:
 
 A method is `dense` or a comma-free ROCKETKV setting list joined by `+`
 (`token_budget=256`, `preset=trtllm`, `prompt_budget=1024+topk=128`).
+Each ROCKETKV row is compared with the dense run before it, so a repeated
+`dense,token_budget=256,dense,token_budget=256` shows the run-to-run spread.
 Runs unchanged on a GPU machine; `--json` writes results/e2e-<platform>.json.
 """
 
@@ -207,9 +209,13 @@ def main(argv=None) -> int:
         for name, cfg in methods:
             rows.append(run_method(args, model, name, cfg, prompts, progress))
 
+    # Each row against the dense run before it (the first one if none is):
+    # repeating "dense,X" pairs shows the machine's run-to-run spread.
     dense = next((r for r in rows if r["rocketkv"] is None), None)
     for r in rows:
-        if dense is not None and r is not dense:
+        if r["rocketkv"] is None:
+            dense = r
+        elif dense is not None:
             r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
             if r["decode_tok_s"] and dense["decode_tok_s"]:
                 r["decode_speedup_vs_dense"] = round(

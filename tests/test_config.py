@@ -185,13 +185,18 @@ def test_no_eviction_plan_keeps_everything_and_frees_nothing():
 
 @pytest.mark.parametrize("value", [True, "512", 15, -1, 1.5, (1 << 24) + 1, None])
 def test_bad_request_budget_names_the_field_and_range(value):
-    from rocketkv_vllm.request_budget import request_token_budget
+    from types import SimpleNamespace
 
+    from rocketkv_vllm.request_budget import planned_budget, request_token_budget
+
+    args = {"rocketkv_token_budget": value}
     with pytest.raises(RocketKVConfigError) as err:
-        request_token_budget({"rocketkv_token_budget": value})
+        request_token_budget(args)
     assert "vllm_xargs.rocketkv_token_budget" in str(err.value)
     assert "0 (this request uncompressed) or an integer in [16, 16777216]" in str(
         err.value)
+    # One that skipped the check on arrival: the engine's settings, everywhere.
+    assert planned_budget(SimpleNamespace(extra_args=args)) is None
 
 
 def test_request_budget_plans_like_an_engine_with_that_budget():
