@@ -47,27 +47,18 @@ struct Cache {
   }
 };
 
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+// A bf16 value is the upper half of a float's bits.
+inline float float_from_bits(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float bf16_pair_lo(uint32_t u) { return float_from_bits(u << 16); }
+inline float bf16_pair_hi(uint32_t u) { return float_from_bits(u & 0xffff0000u); }
+inline float to_float(c10::BFloat16 x) { return bf16_pair_lo(x.x); }
 template <typename T>
 inline float to_float(T x) {
   return static_cast<float>(x);
-}
-inline float bf16_pair_lo(uint32_t u) {
-  const uint32_t bits = u << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float bf16_pair_hi(uint32_t u) {
-  const uint32_t bits = u & 0xffff0000u;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
 }
 
 // Tokens [s0, s0 + n) of one head's block as float K and V rows

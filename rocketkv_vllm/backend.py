@@ -46,9 +46,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from rocketkv_vllm import batched, paged, request_budget, stats
 from rocketkv_vllm.config import (
+    PlanCache,
     RequestPlan,
     RocketKVSettings,
-    plan_request,
     pow2_at_least,
 )
 from rocketkv_vllm.engine_config import (
@@ -295,6 +295,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self.use_native_cpu = (not self.use_triton and native_cpu_stage2(
             self.settings.kernel, native.kv_layout))
         self.prompt_lengths = PromptLengths()
+        self.plans = PlanCache(self.settings)
         request_budget.install_runner_hooks()
         # Host staging for the per-step Stage 2 columns comes from torch's
         # caching pinned allocator, which does not hand a buffer out again
@@ -327,8 +328,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         context_lens = seq_lens - q_lens
         prompt_lens = self.prompt_lengths.get(cm, context_lens)
         budgets = request_budget.WORKER_BUDGETS.for_rows(cm)
-        plans = [plan_request(self.settings, n, b)
-                 for n, b in zip(prompt_lens.tolist(), budgets)]
+        plans = [self.plans(n, b) for n, b in zip(prompt_lens.tolist(), budgets)]
         compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
         if not compress.any():
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)

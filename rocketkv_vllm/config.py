@@ -12,7 +12,6 @@ length alone (the block manager is told nothing else about a request).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
@@ -315,7 +314,6 @@ class RequestPlan:
         return (-(-self.num_compact // block_size), self.tail_start // block_size)
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
                  token_budget: int | None = None) -> RequestPlan:
     """The plan for a prompt of this length; ``token_budget`` is the
@@ -356,6 +354,29 @@ def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
     compress = n > prompt_budget
     num_compact = prompt_budget - (n - tail_start) if compress else 0
     return RequestPlan(n, compress, prompt_budget, topk, topr, num_compact, tail_start)
+
+
+class PlanCache:
+    """``plan_request`` for one engine's settings, memoised by (prompt length,
+    request budget). Plans are looked up for every row of every step (builder)
+    and every scheduled request (block manager); hashing the settings for each
+    lookup would cost more than the plan itself."""
+
+    MAX_ENTRIES = 1 << 16
+
+    def __init__(self, settings: RocketKVSettings) -> None:
+        self.settings = settings
+        self._plans: dict[tuple[int, int | None], RequestPlan] = {}
+
+    def __call__(self, num_prompt_tokens: int,
+                 token_budget: int | None = None) -> RequestPlan:
+        key = (num_prompt_tokens, token_budget)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.MAX_ENTRIES:
+                self._plans.clear()
+            plan = self._plans[key] = plan_request(self.settings, *key)
+        return plan
 
 
 def max_topk(settings: RocketKVSettings) -> int:

@@ -16,7 +16,7 @@ from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
-from rocketkv_vllm.config import RocketKVSettings, plan_request
+from rocketkv_vllm.config import PlanCache, RocketKVSettings
 from rocketkv_vllm.request_budget import install_scheduler_hook, scheduler_budget
 
 
@@ -65,6 +65,7 @@ class RocketKVManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         assert kv_cache_spec.rocketkv is not None
         self.settings = kv_cache_spec.rocketkv
+        self.plans = PlanCache(self.settings)
         install_scheduler_hook()
 
     def remove_skipped_blocks(
@@ -81,8 +82,7 @@ class RocketKVManager(FullAttentionManager):
             or processed_computed_tokens < num_prompt_tokens
         ):
             return
-        plan = plan_request(self.settings, num_prompt_tokens,
-                            scheduler_budget(request_id))
+        plan = self.plans(num_prompt_tokens, scheduler_budget(request_id))
         start, end = plan.freed_block_range(self.block_size)
         if start < end:
             self._remove_blocks_in_range(request_id, start, end)

@@ -49,10 +49,10 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from rocketkv_vllm.config import (
     CONFIG_KEY,
+    PlanCache,
     RequestPlan,
     RocketKVSettings,
     parse_config,
-    plan_request,
     resolve_settings,
 )
 from rocketkv_vllm.request_budget import planned_budget
@@ -213,6 +213,7 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         if not self.enabled:
             return
         self.settings = settings_for(vllm_config)
+        self.plans = PlanCache(self.settings)
         model_name = vllm_config.model_config.served_model_name
         labelnames = ["model_name", "engine"]
         labels = {i: [model_name, str(i)] for i in self.engine_indexes}
@@ -270,8 +271,7 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         if not outputs or engine_idx not in self.prompts_compressed:
             return
         for out in outputs:
-            plan = plan_request(self.settings, out.num_prompt_tokens,
-                                out.token_budget)
+            plan = self.plans(out.num_prompt_tokens, out.token_budget)
             if not plan.compress:
                 continue
             if out.was_prefilling:
