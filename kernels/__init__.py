@@ -8,7 +8,8 @@ One concern per module, each a kernel or two plus its launcher:
                        the K/V store), batched;
 * ``hsa_score``     -- HSA page probabilities and page selection, batched;
 * ``sparse_decode`` -- split-K decode attention over selected pages, batched;
-* ``dense_decode``  -- the dense paged decode baseline.
+* ``dense_decode``  -- the dense paged decode baseline;
+* ``kt_fp8``        -- jit helpers that encode / decode fp8 KT rows.
 
 Every kernel reads / writes the KV cache through two views, ``k_cache`` and
 ``v_cache`` [num_blocks, Hkv, block_size, d]: block / head / slot /
@@ -19,7 +20,9 @@ TRITON_ATTN), per head K rows then V rows, or with K transposed per head
 block ([d, block_size], CPU_ATTN's vec layouts) -- and blocks may be
 padded (the KT pages live in that padding): nothing outside
 the two views' rows is touched. ``kt_cache`` [num_blocks, Hkv,
-block_size // page_size, 2d] keeps min keys in [..., :d], max in [..., d:].
+block_size // page_size, 2d] keeps min keys in [..., :d], max in [..., d:]
+(kt_dtype "fp8_e4m3": uint8 rows of 2d + 16 bytes instead, see
+``rocketkv_vllm.algorithm.kt_fp8``; the kernels tell them apart by dtype).
 
 The channel stride is an ordinary integer argument: Triton specializes
 integers equal to 1, so the contiguous case compiles exactly as with a

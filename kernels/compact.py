@@ -28,7 +28,8 @@ Under the interpreter a tile's load completes before its store anyway.
 
 ``write_kt_pages`` -- the KT min/max pages covering logical slots [lo, hi)
 (lo page aligned) from the keys in [lo, hi) only (slots >= hi of the last
-page are ignored), exactly like ``paged.write_kt_pages``. A page never
+page are ignored), exactly like ``paged.write_kt_pages`` (a uint8 KT cache
+gets the fp8 rows of ``algorithm.kt_fp8``, bit for bit). A page never
 straddles a KV block because page_size divides block_size.
 """
 
@@ -45,6 +46,7 @@ from rocketkv_vllm.kernels._utils import (
     head_pad,
     next_pow2,
 )
+from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
 
 
 @triton.jit
@@ -94,7 +96,7 @@ def _kt_pages_kernel(
     k_ptr, kt_ptr, bt_ptr, lo, hi, num_pages,
     stride_kb, stride_kh, stride_ks, stride_kd, stride_tb, stride_th, stride_tp,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, KT_FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -113,11 +115,14 @@ def _kt_pages_kernel(
         k = k.to(tl.float32)
         kmin = tl.where(ok, tl.minimum(kmin, k), kmin)
         kmax = tl.where(ok, tl.maximum(kmax, k), kmax)
-    out = (kt_ptr + blk[:, None] * stride_tb + h * stride_th
-           + (off // PS)[:, None] * stride_tp + d[None, :])
-    mask = p_ok[:, None] & d_ok[None, :]
-    tl.store(out, kmin.to(kt_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + D, kmax.to(kt_ptr.dtype.element_ty), mask=mask)
+    row = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp
+    if KT_FP8:  # uint8 rows (algorithm.kt_fp8): codes + scale
+        store_kt_fp8_rows(row, kmin, kmax, p_ok, d, d_ok, D)
+    else:
+        out = row[:, None] + d[None, :]
+        mask = p_ok[:, None] & d_ok[None, :]
+        tl.store(out, kmin.to(kt_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + D, kmax.to(kt_ptr.dtype.element_ty), mask=mask)
 
 
 def compact_kept_tokens(
@@ -166,7 +171,8 @@ def write_kt_pages(
     assert lo % page_size == 0
     hkv, bs, d = check_kv_cache(k_cache)
     assert bs % page_size == 0 and kt_cache.stride(-1) == 1
-    assert kt_cache.shape[2] == bs // page_size and kt_cache.shape[3] == 2 * d
+    assert kt_cache.shape[2] == bs // page_size
+    assert kt_cache.shape[3] == kt_row_width(kt_cache, d)
     num_pages = cdiv(hi - lo, page_size)
     block_p = 16
     _kt_pages_kernel[(hkv, cdiv(num_pages, block_p))](
@@ -174,5 +180,5 @@ def write_kt_pages(
         *cache_strides(k_cache),
         kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
         D=d, D_PAD=head_pad(d), BS=bs, PS=page_size, BLOCK_P=block_p,
-        num_warps=4,
+        KT_FP8=kt_cache.dtype == torch.uint8, num_warps=4,
     )

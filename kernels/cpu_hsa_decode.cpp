@@ -17,6 +17,9 @@
 //                  V at bs*d + (c/16)*16*bs + (s/2)*32 + (c%16)*2 + s%2
 // The view of a compressed row is [0, num_compact) then [tail_start,
 // seq_len), cut into pages of page_size tokens (see rocketkv_vllm/paged.py).
+// KT rows are [min | max] in the cache dtype, or (uint8 kt_cache) the fp8
+// rows of rocketkv_vllm/algorithm/kt_fp8.py: 2d e4m3 codes, rounded outward,
+// and a power-of-two fp32 scale.
 
 #include <torch/extension.h>
 
@@ -53,6 +56,11 @@ inline float float_from_bits(uint32_t bits) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline uint32_t float_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
 inline float bf16_pair_lo(uint32_t u) { return float_from_bits(u << 16); }
 inline float bf16_pair_hi(uint32_t u) { return float_from_bits(u & 0xffff0000u); }
 inline float to_float(c10::BFloat16 x) { return bf16_pair_lo(x.x); }
@@ -60,6 +68,76 @@ template <typename T>
 inline float to_float(T x) {
   return static_cast<float>(x);
 }
+
+// Smallest power of two s with maxabs <= 448 * s (1 for an all-zero row).
+inline float fp8_row_scale(float maxabs) {
+  if (!(maxabs > 0.f)) return 1.f;
+  int exp;
+  const float frac = std::frexp(maxabs / 448.f, &exp);
+  return std::ldexp(1.f, frac == 0.5f ? exp - 1 : exp);
+}
+
+// e4m3 code of y (|y| <= 448) rounded toward +inf (upward) or -inf.
+inline uint8_t fp8_outward(float y, bool upward) {
+  const float m = std::fabs(y);
+  uint32_t code;
+  bool exact;
+  if (m >= 0x1p-6f) {
+    uint32_t bits;
+    std::memcpy(&bits, &m, sizeof bits);
+    code = ((((bits >> 23) & 0xff) - 127 + 7) << 3) | ((bits >> 20) & 7);
+    exact = (bits & 0xfffff) == 0;
+  } else {
+    const float t = m * 512.f;
+    code = static_cast<uint32_t>(t);
+    exact = static_cast<float>(code) == t;
+  }
+  if (!exact && (upward ? y >= 0.f : y < 0.f)) code += 1;
+  return static_cast<uint8_t>(y < 0.f ? code | 0x80 : code);
+}
+
+// KT row access: [min | max] as 2d floats, in either format.
+template <typename T, bool FP8>
+struct KtRows {
+  using Elem = std::conditional_t<FP8, uint8_t, T>;
+  int64_t d;
+
+  inline void read(const Elem* row, float* out) const {
+    if constexpr (FP8) {
+      // A normal e4m3 code's exponent and mantissa bits, moved into a
+      // float's and rebiased, are its value (2^(e-7) * (1 + m/8)); a
+      // subnormal one is m * 2^-9. Both, then a bit-mask select: integer
+      // ops the compiler vectorizes (a 256-entry table would be a gather, a
+      // ?: a branch that stops vectorization). NaN codes never come from
+      // the encoder.
+      float scale;
+      std::memcpy(&scale, row + 2 * d, sizeof scale);
+#pragma omp simd
+      for (int64_t k = 0; k < 2 * d; ++k) {
+        const uint32_t c = row[k], mag = c & 0x7f;
+        const uint32_t normal = float_bits(float_from_bits((mag << 20) + (120u << 23)) * scale);
+        const uint32_t sub = float_bits(static_cast<float>(mag) * 0x1p-9f * scale);
+        const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);
+        out[k] = float_from_bits((normal & is_normal) | (sub & ~is_normal) | ((c & 0x80) << 24));
+      }
+    } else {
+#pragma omp simd
+      for (int64_t k = 0; k < 2 * d; ++k) out[k] = to_float(row[k]);
+    }
+  }
+  inline void write(Elem* row, const float* in) const {
+    if constexpr (FP8) {
+      float maxabs = 0.f;
+      for (int64_t k = 0; k < 2 * d; ++k) maxabs = std::max(maxabs, std::fabs(in[k]));
+      const float scale = fp8_row_scale(maxabs);
+      for (int64_t k = 0; k < 2 * d; ++k) row[k] = fp8_outward(in[k] / scale, k >= d);
+      std::memcpy(row + 2 * d, &scale, sizeof scale);
+      std::memset(row + 2 * d + 4, 0, 12);
+    } else {
+      for (int64_t k = 0; k < 2 * d; ++k) row[k] = static_cast<T>(in[k]);
+    }
+  }
+};
 
 // Tokens [s0, s0 + n) of one head's block as float K and V rows
 // (row-major, d floats each). The AMX layout keeps bf16 channels in pairs in
@@ -108,7 +186,7 @@ inline void load_tokens(const Cache<LAYOUT>& cache, const T* head, int64_t s0, i
   }
 }
 
-template <typename T, int LAYOUT>
+template <typename T, int LAYOUT, bool FP8>
 void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
                      torch::Tensor& kt_cache, const torch::Tensor& block_table,
                      const torch::Tensor& num_compact, const torch::Tensor& tail_start,
@@ -120,7 +198,9 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
   const int64_t G = Hq / Hkv;
   const Cache<LAYOUT> cache{kv_cache.stride(0), kv_cache.stride(1), bs, d};
   T* kv = kv_cache.data_ptr<T>();
-  T* kt = kt_cache.data_ptr<T>();
+  using Kt = KtRows<T, FP8>;
+  const Kt kt_rows{d};
+  auto* kt = static_cast<typename Kt::Elem*>(kt_cache.data_ptr());
   const int64_t kt_sb = kt_cache.stride(0), kt_sh = kt_cache.stride(1),
                 kt_sp = kt_cache.stride(2);
   const T* q_ptr = query.data_ptr<T>();
@@ -142,15 +222,16 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       if (pos < 0) continue;
       const int64_t block = table[b * table_stride + pos / bs], off = pos % bs;
       T* head = kv + block * cache.block_stride + h * cache.head_stride;
-      T* page = kt + block * kt_sb + h * kt_sh + (off / ps) * kt_sp;
+      auto* page = kt + block * kt_sb + h * kt_sh + (off / ps) * kt_sp;
       const bool fresh = pos % ps == 0;
+      std::vector<float> row(2 * d);
+      kt_rows.read(page, row.data());
       for (int64_t c = 0; c < d; ++c) {
         const float key = to_float(head[cache.k_off(off, c)]);
-        const float lo = fresh ? key : std::min(to_float(page[c]), key);
-        const float hi = fresh ? key : std::max(to_float(page[d + c]), key);
-        page[c] = static_cast<T>(lo);
-        page[d + c] = static_cast<T>(hi);
+        row[c] = fresh ? key : std::min(row[c], key);
+        row[d + c] = fresh ? key : std::max(row[d + c], key);
       }
+      kt_rows.write(page, row.data());
     }
   }
 
@@ -205,9 +286,8 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
         page_start[p] = start;
         page_tokens[p] = std::min<int64_t>(ps, end - start);
         const int64_t block = table[b * table_stride + start / bs];
-        const T* page = kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp;
-#pragma omp simd
-        for (int64_t k = 0; k < 2 * d; ++k) bound[k] = to_float(page[k]);
+        kt_rows.read(kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp,
+                     bound.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = &q_row[g * 2 * d];
           float s = 0.f;
@@ -290,7 +370,8 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
 
 // query [B, Hq, d]; kv_cache [num_blocks, Hkv, bs, 2d] (each head's block a
 // contiguous 2*bs*d run, blocks and heads at any stride); kt_cache
-// [num_blocks, Hkv, bs/page_size, 2d] (last dim contiguous); int32 [B]
+// [num_blocks, Hkv, bs/page_size, 2d] (last dim contiguous), or uint8
+// [..., 2d + 16] fp8 rows; int32 [B]
 // columns. Returns [B, Hq, d] in query's dtype.
 torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor kt_cache,
                          torch::Tensor block_table, torch::Tensor num_compact,
@@ -298,9 +379,13 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
                          torch::Tensor num_select, int64_t page_size, double scale,
                          bool force_current_page, int64_t layout) {
   TORCH_CHECK(query.device().is_cpu(), "hsa_decode: CPU tensors only");
+  const bool fp8_kt = kt_cache.scalar_type() == at::ScalarType::Byte;
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() &&
-                  kt_cache.scalar_type() == query.scalar_type(),
-              "hsa_decode: query, kv_cache and kt_cache must share a dtype");
+                  (fp8_kt || kt_cache.scalar_type() == query.scalar_type()),
+              "hsa_decode: query, kv_cache and kt_cache must share a dtype "
+              "(or kt_cache holds uint8 fp8 rows)");
+  TORCH_CHECK(kt_cache.size(3) == (fp8_kt ? 2 * query.size(2) + 16 : 2 * query.size(2)),
+              "hsa_decode: KT rows must hold 2 * head_dim values (+16 bytes in fp8)");
   TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
               "hsa_decode: each head's block must be contiguous");
   TORCH_CHECK(kt_cache.stride(3) == 1, "hsa_decode: KT rows must be contiguous");
@@ -315,9 +400,14 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "hsa_decode", [&] {
         auto run = [&](auto layout_tag) {
-          hsa_decode_impl<scalar_t, decltype(layout_tag)::value>(
-              q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-              force_current_page, out);
+          if (fp8_kt)
+            hsa_decode_impl<scalar_t, decltype(layout_tag)::value, true>(
+                q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+                force_current_page, out);
+          else
+            hsa_decode_impl<scalar_t, decltype(layout_tag)::value, false>(
+                q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+                force_current_page, out);
         };
         if (layout == 1) run(std::integral_constant<int, 1>{});
         else if (layout == 2) run(std::integral_constant<int, 2>{});

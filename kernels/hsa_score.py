@@ -7,10 +7,12 @@ Per decode row b and KV head h with query heads q_1..q_G (G = Hq / Hkv):
   chosen = rank < r: exact for any per-row r without a host-side topk);
   sign_i = sign(sum_g q_g,i);
 * bound(page)_i = max_i if sign_i > 0 else min_i over the chosen channels,
-  read from the KT page; s_g(page) = q_g . bound;
+  read from the KT page (fp8 KT, uint8 rows of ``algorithm.kt_fp8``:
+  decoded to fp32 codes * scale); s_g(page) = q_g . bound;
 * SparQ temperature tau_g = sqrt(d * sum_chosen |q_g| / sum_all |q_g|);
   (16-bit KT: q split in three 16-bit parts, three tensor-core dots with
-  exact products, ~fp32 accuracy; fp32 KT: an IEEE fp32 dot);
+  exact products, ~fp32 accuracy; fp8 KT: the same with bf16 parts, its
+  decoded values being exact in bf16; fp32 KT: an IEEE fp32 dot);
   softmax over the row's view pages of s_g / tau_g per query head, each
   page's term in the denominator weighted by its token count n_p (the
   reference's softmax over tokens: a partly filled page counts less), so
@@ -58,9 +60,11 @@ from rocketkv_vllm.kernels._utils import (
     num_sms,
     row_vectors,
 )
+from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, load_kt_fp8_rows
 
 _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E)
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -84,6 +88,7 @@ def _page_logits_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
     RANK_CHUNK: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    HALF: tl.constexpr, KT_FP8: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -128,13 +133,14 @@ def _page_logits_kernel(
     inv_tau = _LOG2E_C / tl.maximum(tau, 1e-30)  # logits in log2 units
 
     if SPLIT:
-        # q = q1 + q2 + q3 in the KT's 16-bit type (24+ mantissa bits in
-        # all): with exact 16-bit KT operands the scores keep fp32 accuracy
-        # while using tensor cores (an fp32 FMA dot needs ~255 registers).
-        q1 = q.to(kt_ptr.dtype.element_ty)
+        # q = q1 + q2 + q3 in the 16-bit type HALF (the KT's; bf16 for fp8
+        # KT) (24+ mantissa bits in all): with exact 16-bit KT operands the
+        # scores keep fp32 accuracy while using tensor cores (an fp32 FMA
+        # dot needs ~255 registers).
+        q1 = q.to(HALF)
         rem = q - q1.to(tl.float32)
-        q2 = rem.to(kt_ptr.dtype.element_ty)
-        q3 = (rem - q2.to(tl.float32)).to(kt_ptr.dtype.element_ty)
+        q2 = rem.to(HALF)
+        q3 = (rem - q2.to(tl.float32)).to(HALF)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     lo = split * CHUNK
@@ -154,11 +160,14 @@ def _page_logits_kernel(
         # channels, so skipping unchosen halves would save little traffic),
         # then the chosen half of each chosen channel.
         kmask = ok[:, None] & d_ok[None, :]
-        kmin = tl.load(base[:, None] + d[None, :], mask=kmask, other=0.0)
-        kmax = tl.load(base[:, None] + D + d[None, :], mask=kmask, other=0.0)
+        if KT_FP8:  # uint8 rows: codes * scale in fp32 (exact in bf16)
+            kmin, kmax = load_kt_fp8_rows(base, d, kmask, ok, D)
+        else:
+            kmin = tl.load(base[:, None] + d[None, :], mask=kmask, other=0.0)
+            kmax = tl.load(base[:, None] + D + d[None, :], mask=kmask, other=0.0)
         bound = tl.where(take_max[None, :], kmax, tl.where(take_min[None, :], kmin, 0.0))
-        if SPLIT:  # 16-bit KT values are exact operands: 3 tensor-core dots
-            bt = tl.trans(bound.to(kt_ptr.dtype.element_ty))
+        if SPLIT:  # 16-bit / fp8 KT values are exact operands: 3 tensor-core dots
+            bt = tl.trans(bound.to(HALF))
             s = mma(q1, bt, UPCAST) + mma(q2, bt, UPCAST) + mma(q3, bt, UPCAST)
         else:  # fp32 KT: exact fp32 products (FMA)
             s = tl.dot(q, tl.trans(bound.to(tl.float32)), input_precision="ieee")
@@ -234,7 +243,8 @@ def hsa_page_probs(
     current page)."""
     batch, hq, d = query.shape
     _, hkv, pages_per_block, width = kt_cache.shape
-    assert width == 2 * d and hq % hkv == 0 and kt_cache.stride(-1) == 1
+    assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
+    assert kt_cache.stride(-1) == 1
     assert block_table.stride(-1) == 1
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -251,6 +261,12 @@ def hsa_page_probs(
     chunk = max(block_p, cdiv(chunk, block_p) * block_p)
     num_splits = cdiv(max_pages, chunk)
     g_pad = group_pad(group)
+    # the 16-bit type of the split dot: the KT's own, bf16 for fp8 rows (their
+    # decoded values have <= 4 significant bits and fp32's exponent range);
+    # None: fp32 KT, one IEEE fp32 dot
+    fp8 = kt_cache.dtype == torch.uint8
+    half = torch.bfloat16 if fp8 else (
+        kt_cache.dtype if kt_cache.dtype in (torch.bfloat16, torch.float16) else None)
     dev = query.device
     logits = torch.empty(batch, hkv, group, max_pages, device=dev, dtype=torch.float32)
     part_m = torch.empty(batch * hkv, num_splits, g_pad, device=dev, dtype=torch.float32)
@@ -267,8 +283,8 @@ def hsa_page_probs(
         kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
         G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
         BLOCK_P=block_p, CHUNK=chunk, RANK_CHUNK=min(16, head_pad(d)),
-        SPLIT=kt_cache.dtype in (torch.bfloat16, torch.float16),
-        UPCAST=dot_upcast(kt_cache.dtype), num_warps=4,
+        SPLIT=half is not None, UPCAST=half is not None and dot_upcast(half),
+        HALF=_TL_DTYPE.get(half, tl.float32), KT_FP8=fp8, num_warps=4,
     )
     _page_probs_kernel[grid](
         logits, part_m, part_l, probs, num_compact, tail_start, seq_lens,

@@ -5,8 +5,9 @@ The KT page holding pos is recomputed from the keys of slots
 [page_start, pos] (page_start = pos - pos % page_size), exactly like
 ``paged.write_kt_pages(k_cache, kt, row, page_start, seq_len, page_size)``
 in ``paged.hsa_decode``. Grid (B, Hkv): one program loads page_size x d keys
-and writes 2d min/max values. Rows with seq_lens[b] <= 0 (CUDA-graph padding)
-do nothing.
+and writes 2d min/max values (a uint8 KT cache: the page's fp8 row of
+``algorithm.kt_fp8``, encoded from the recomputed min/max). Rows with
+seq_lens[b] <= 0 (CUDA-graph padding) do nothing.
 
 K is read (and K/V written) through the views ``k_cache`` / ``v_cache``
 [num_blocks, Hkv, bs, d] with their own strides (channel dim included).
@@ -36,6 +37,7 @@ from rocketkv_vllm.kernels._utils import (
     next_pow2,
     row_vectors,
 )
+from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def _kt_update_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_tb, stride_th, stride_tp, stride_nb, stride_nh,
     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    PS_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
+    PS_PAD: tl.constexpr, WRITE_KV: tl.constexpr, KT_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,15 +82,20 @@ def _kt_update_kernel(
             knf = kn.to(k_ptr.dtype.element_ty).to(tl.float32)
             kmin = tl.minimum(kmin, knf)
             kmax = tl.maximum(kmax, knf)
-        out = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp + d
-        tl.store(out, kmin.to(kt_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(out + D, kmax.to(kt_ptr.dtype.element_ty), mask=d_ok)
+        row = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp
+        if KT_FP8:  # uint8 rows: codes + scale, as one row of a [1, D_PAD] page tile
+            store_kt_fp8_rows(row + tl.zeros([1], tl.int32), kmin[None, :], kmax[None, :],
+                              tl.full([1], 1, tl.int1), d, d_ok, D)
+        else:
+            tl.store(row + d, kmin.to(kt_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(row + D + d, kmax.to(kt_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, value):
     hkv, bs, d = check_kv_cache(k_cache, v_cache)
     assert bs % page_size == 0 and kt_cache.stride(-1) == 1
-    assert kt_cache.shape[2] == bs // page_size and kt_cache.shape[3] == 2 * d
+    assert kt_cache.shape[2] == bs // page_size
+    assert kt_cache.shape[3] == kt_row_width(kt_cache, d)
     assert block_table.stride(-1) == 1
     (seq_lens,) = row_vectors(seq_lens)
     batch = seq_lens.shape[0]
@@ -108,7 +115,7 @@ def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, v
         kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
         stride_nb, stride_nh,
         D=d, D_PAD=head_pad(d), BS=bs, PS=page_size, PS_PAD=max(2, next_pow2(page_size)),
-        WRITE_KV=write,
+        WRITE_KV=write, KT_FP8=kt_cache.dtype == torch.uint8,
         num_warps=1 if page_size * d <= 1024 else 2,
     )
 

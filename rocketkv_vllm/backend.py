@@ -527,7 +527,7 @@ class RocketKVImpl(AttentionImpl):
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
-        kt_cache = paged.kt_cache_view(kv_cache, s.page_size)
+        kt_cache = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         for r in md.window_rows:
             self._keep_window_queries(r, query)
         for r in md.stage1_rows:
@@ -584,7 +584,8 @@ class RocketKVImpl(AttentionImpl):
         start, end = plan.freed_block_range(self.settings.block_size)
         blocks = block_row[start:end].long()
         kv_cache[blocks] = 3.0e4
-        paged.kt_cache_view(kv_cache, self.settings.page_size)[blocks] = float("nan")
+        kt = paged.kt_cache_view(kv_cache, self.settings.page_size, self.settings.kt_dtype)
+        kt[blocks] = 0xFF if kt.dtype == torch.uint8 else float("nan")  # NaN either way
 
     def _window_queries_here(self, r: PromptChunkRow, query):
         """(window offset of the first, queries) of this chunk's window part."""

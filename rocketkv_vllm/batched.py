@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rocketkv_vllm import paged
+
 
 @dataclass
 class ViewPages:
@@ -74,12 +76,12 @@ def update_kt(
     block = block_table.long().gather(1, (pos // block_size)[:, None])[:, 0]
     offset = pos % block_size
     page = offset // page_size
-    key = k_cache[block, :, offset].to(kt_cache.dtype)  # [B, Hkv, d]
-    old = kt_cache[block, :, page]  # [B, Hkv, 2d]
+    key = k_cache[block, :, offset].float()  # [B, Hkv, d]
+    old_min, old_max = paged.kt_bounds(kt_cache[block, :, page], d)
     fresh = (pos % page_size == 0)[:, None, None]
-    kmin = torch.where(fresh, key, torch.minimum(old[..., :d], key))
-    kmax = torch.where(fresh, key, torch.maximum(old[..., d:], key))
-    kt_cache[block, :, page] = torch.cat([kmin, kmax], dim=-1)
+    kmin = torch.where(fresh, key, torch.minimum(old_min.float(), key))
+    kmax = torch.where(fresh, key, torch.maximum(old_max.float(), key))
+    kt_cache[block, :, page] = paged.kt_rows_of(kt_cache, kmin, kmax)
 
 
 def select_pages(
@@ -113,7 +115,10 @@ def select_pages(
     q_bound = torch.cat([q_r * ~positive, q_r * positive], dim=-1)  # [B, Hkv, G, 2d]
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
     kt = kt_cache[pages.block[:, None, :], heads, pages.page[:, None, :]]
-    scores = torch.matmul(q_bound, kt.float().transpose(-1, -2))  # [B, Hkv, G, P]
+    if kt.dtype == torch.uint8:  # fp8 rows: decoded [min | max]
+        kt = torch.cat(paged.kt_bounds(kt, d), dim=-1)
+    kt = kt.float()  # [B, Hkv, P, 2d]
+    scores = torch.matmul(q_bound, kt.transpose(-1, -2))  # [B, Hkv, G, P]
     tau = torch.sqrt(d * q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30))
     logits = scores / tau.clamp_min(1e-30)[..., None]
     valid_page = pages.tokens > 0  # [B, P]

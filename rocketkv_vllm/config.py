@@ -22,6 +22,7 @@ import yaml
 
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")
+KT_DTYPE_CHOICES = ("auto", "fp8_e4m3")
 _MAX_INT = 1 << 24
 
 
@@ -58,6 +59,11 @@ class RocketKVConfig:
     # auto: Triton on CUDA, the C++ kernel on CPU (PyTorch if it cannot be
     # built); torch: batched PyTorch; triton: Triton (tests force it on CPU).
     kernel: str = "auto"
+    # KT pages (per-page min/max keys): "auto" stores them in the KV cache
+    # dtype; "fp8_e4m3" in fp8 with a power-of-two scale per row, rounded
+    # outward so they stay bounds (algorithm.kt_fp8): about half the bytes
+    # to keep and to read when scoring pages.
+    kt_dtype: str = "auto"
     free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
     poison_evicted_blocks: bool = False  # tests: garbage-fill blocks before freeing
     preset: str | None = None
@@ -162,8 +168,10 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
             _fail(name, merged[name], "true or false")
     if merged.get("kernel", "auto") not in KERNEL_CHOICES:
         _fail("kernel", merged["kernel"], f"one of {list(KERNEL_CHOICES)}")
+    if merged.get("kt_dtype", "auto") not in KT_DTYPE_CHOICES:
+        _fail("kt_dtype", merged["kt_dtype"], f"one of {list(KT_DTYPE_CHOICES)}")
     for name in ("prompt_budget", "window_size", "kernel_size", "topk",
-                 "max_new_tokens", "force_current_page", "evict", "kernel",
+                 "max_new_tokens", "force_current_page", "evict", "kernel", "kt_dtype",
                  "free_evicted_blocks", "poison_evicted_blocks"):
         if merged.get(name, 0) is None:
             _fail(name, None, "a value (null only for token_budget, page_size, topr)")
@@ -192,6 +200,7 @@ class RocketKVSettings:
     free_evicted_blocks: bool
     poison_evicted_blocks: bool
     evict: bool = True
+    kt_dtype: str = "auto"
 
     @property
     def min_prompt_budget(self) -> int:
@@ -254,6 +263,7 @@ def resolve_settings(
         free_evicted_blocks=cfg.free_evicted_blocks,
         poison_evicted_blocks=cfg.poison_evicted_blocks,
         evict=cfg.evict,
+        kt_dtype=cfg.kt_dtype,
     )
     if (cfg.evict and cfg.token_budget is None
             and cfg.prompt_budget < settings.min_prompt_budget):

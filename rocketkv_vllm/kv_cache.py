@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from vllm.utils.torch_utils import get_dtype_size
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from rocketkv_vllm.config import PlanCache, RocketKVSettings
+from rocketkv_vllm.paged import kt_row_bytes
 from rocketkv_vllm.request_budget import install_scheduler_hook, scheduler_budget
 
 
@@ -28,7 +28,8 @@ class RocketKVAttentionSpec(FullAttentionSpec):
     def kt_bytes_per_block(self) -> int:
         assert self.rocketkv is not None
         pages = self.block_size // self.rocketkv.page_size
-        return self.num_kv_heads * pages * 2 * self.head_size * get_dtype_size(self.dtype)
+        row = kt_row_bytes(self.head_size, self.dtype, self.rocketkv.kt_dtype)
+        return self.num_kv_heads * pages * row
 
     @classmethod
     def merge(cls, specs: list[RocketKVAttentionSpec]) -> RocketKVAttentionSpec:

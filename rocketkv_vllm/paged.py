@@ -9,7 +9,10 @@ Layout (one attention layer, LBHNC, what vLLM hands the backend):
       page_size slots, element-wise min key in [..., :d], max key in [..., d:].
       It lives in the padding vLLM allocates after each block (see
       ``kt_cache_view``), so it is counted and freed with the block; the KT
-      page table of a sequence is therefore its block table.
+      page table of a sequence is therefore its block table. With
+      kt_dtype "fp8_e4m3" it is uint8 [..., 2*d + 16] instead: rows of
+      ``algorithm.kt_fp8`` (outward-rounded fp8 codes and a scale); every
+      implementation tells the two apart by the tensor's dtype.
 
 A request's logical slot s lives at block ``block_row[s // bs]``, offset
 ``s % bs``. After compression the slots a request attends to are its
@@ -27,16 +30,43 @@ import torch
 
 from rocketkv_vllm.algorithm import (
     hsa_select_pages,
+    kt_fp8,
     snapkv_keep_positions,
     sparse_attention,
 )
 
+KT_DTYPES = ("auto", "fp8_e4m3")
 
-def kt_cache_view(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
-    """The KT pages stored in the per-block padding behind ``kv_cache``."""
+
+def kt_row_bytes(head_dim: int, dtype: torch.dtype, kt_dtype: str) -> int:
+    """Bytes of one KT row (one page, one KV head)."""
+    if kt_dtype == "fp8_e4m3":
+        return kt_fp8.row_bytes(head_dim)
+    return 2 * head_dim * dtype.itemsize
+
+
+def kt_cache_view(kv_cache: torch.Tensor, page_size: int,
+                  kt_dtype: str = "auto") -> torch.Tensor:
+    """The KT pages stored in the per-block padding behind ``kv_cache``:
+    [num_blocks, Hkv, pages, 2d] in the cache dtype, or uint8
+    [num_blocks, Hkv, pages, 2d + 16] fp8 rows (``algorithm.kt_fp8``)."""
     num_blocks, num_heads, block_size, width = kv_cache.shape
     pages = block_size // page_size
     kv_elems = num_heads * block_size * width
+    if kt_dtype == "fp8_e4m3":
+        size = kv_cache.element_size()
+        base = kv_cache.view(torch.uint8)  # last dim is contiguous
+        row = kt_fp8.row_bytes(width // 2)
+        assert kv_cache.stride(0) * size >= (kv_elems * size + num_heads * pages * row), (
+            "KV block has no room for the fp8 KT cache: was the ROCKETKV spec used?"
+        )
+        return torch.as_strided(
+            base,
+            size=(num_blocks, num_heads, pages, row),
+            stride=(kv_cache.stride(0) * size, pages * row, row, 1),
+            storage_offset=(kv_cache.storage_offset() + kv_elems) * size,
+        )
+    assert kt_dtype == "auto", kt_dtype
     kt_elems = num_heads * pages * width
     assert kv_cache.stride(0) >= kv_elems + kt_elems, (
         "KV block has no room for the KT cache: was the ROCKETKV spec used?"
@@ -47,6 +77,22 @@ def kt_cache_view(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
         stride=(kv_cache.stride(0), pages * width, width, 1),
         storage_offset=kv_cache.storage_offset() + kv_elems,
     )
+
+
+def kt_bounds(kt_rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) keys [..., d] of KT rows gathered from a ``kt_cache_view``
+    (fp32 for fp8 rows, the cache dtype otherwise)."""
+    if kt_rows.dtype == torch.uint8:
+        return kt_fp8.decode_rows(kt_rows, head_dim)
+    return kt_rows[..., :head_dim], kt_rows[..., head_dim:]
+
+
+def kt_rows_of(kt_cache: torch.Tensor, kmin: torch.Tensor,
+               kmax: torch.Tensor) -> torch.Tensor:
+    """KT rows in ``kt_cache``'s format for min and max keys [..., d]."""
+    if kt_cache.dtype == torch.uint8:
+        return kt_fp8.encode_rows(kmin, kmax)
+    return torch.cat([kmin, kmax], dim=-1).to(kt_cache.dtype)
 
 
 KV_LAYOUTS = ("token", "head_rows", "cpu_vec", "cpu_amx")
@@ -185,8 +231,7 @@ def write_kt_pages(
     starts = slots[::page_size]
     blocks, offsets = physical_slots(block_row, starts, block_size)
     pages = offsets // page_size
-    kt_cache[blocks, :, pages, :d] = kmin.to(kt_cache.dtype)
-    kt_cache[blocks, :, pages, d:] = kmax.to(kt_cache.dtype)
+    kt_cache[blocks, :, pages] = kt_rows_of(kt_cache, kmin, kmax)
 
 
 def view_page_starts(
@@ -298,7 +343,7 @@ def hsa_decode(
     starts = view_page_starts(num_compact, tail_start, seq_len, page_size,
                               k_cache.device)
     blocks, offsets = physical_slots(block_row, starts, block_size)
-    kt = kt_cache[blocks, :, offsets // page_size]  # [P, Hkv, 2d]
+    kt_min, kt_max = kt_bounds(kt_cache[blocks, :, offsets // page_size], d)  # [P, Hkv, d]
     page_valid = torch.ones(starts.shape[0], dtype=torch.bool, device=starts.device)
     region_end = torch.where(starts < tail_start, num_compact, seq_len)
     page_tokens = (region_end - starts).clamp(0, page_size)
@@ -307,7 +352,7 @@ def hsa_decode(
         # An extra page: the top max(topk // ps, 1) come from the others.
         force = starts == page_lo
     selected = hsa_select_pages(
-        query, kt[..., :d], kt[..., d:], page_valid, topr,
+        query, kt_min, kt_max, page_valid, topr,
         max(topk // page_size, 1), force, page_tokens,
     )  # [Hkv, P]
 

@@ -1,6 +1,7 @@
 """Decode attention of one layer on CPU: vLLM's CPU_ATTN kernel over the whole
 context against ROCKETKV's Stage 2 over a compressed one (batched PyTorch and
-the C++ kernel).
+the C++ kernel), with KT pages in the model dtype and in fp8
+(``rocketkv.kt_dtype = "fp8_e4m3"``).
 
     .venv/bin/python scripts/bench_hsa_cpu.py --context 7800 --batch 2
 
@@ -60,7 +61,9 @@ def main() -> None:
     storage = torch.randn(num_blocks * block_elems, generator=gen).to(dtype)
     kv = storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1))
     k_cache, v_cache = paged.split_kv(kv, layout)
-    kt_cache = paged.kt_cache_view(kv, ps)
+    # Room for bf16 KT rows, which are larger than fp8 ones: each format's
+    # view starts at the same place, so each is written before its runs.
+    kt_views = {kt: paged.kt_cache_view(kv, ps, kt) for kt in ("auto", "fp8_e4m3")}
     table = (torch.randperm(num_blocks - 1, generator=gen)[: args.batch * blocks_per_row]
              + 1).view(args.batch, blocks_per_row).int()
     seq = torch.full((args.batch,), n + 1, dtype=torch.int32)
@@ -99,19 +102,33 @@ def main() -> None:
     view = batched.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
     num_select = max(plan.topk // ps, 1)
 
-    def sparse() -> None:
-        batched.hsa_decode_batch(query, k_cache, v_cache, kt_cache, table, seq, view,
-                                 col(plan.topr), col(num_select), num_select, ps,
-                                 d**-0.5, settings.force_current_page)
-
     from rocketkv_vllm import cpu_ops
 
-    def native() -> None:
-        cpu_ops.hsa_decode_batch(query, kv, kt_cache, layout, table, num_compact,
-                                 tail_start, seq, col(plan.topr), col(num_select), ps,
-                                 d**-0.5, settings.force_current_page)
+    def write_kt(kt_cache) -> None:
+        # A compressed request's KT pages: its compact part and its tail.
+        for row in table:
+            paged.write_kt_pages(k_cache, kt_cache, row, 0, plan.num_compact, ps)
+            paged.write_kt_pages(k_cache, kt_cache, row, plan.tail_start, n + 1, ps)
 
-    dense_ms, sparse_ms, native_ms = bench(dense), bench(sparse), bench(native)
+    def stage2(kt_dtype: str):
+        kt_cache = kt_views[kt_dtype]
+        write_kt(kt_cache)
+
+        def sparse() -> None:
+            batched.hsa_decode_batch(query, k_cache, v_cache, kt_cache, table, seq, view,
+                                     col(plan.topr), col(num_select), num_select, ps,
+                                     d**-0.5, settings.force_current_page)
+
+        def native() -> None:
+            cpu_ops.hsa_decode_batch(query, kv, kt_cache, layout, table, num_compact,
+                                     tail_start, seq, col(plan.topr), col(num_select), ps,
+                                     d**-0.5, settings.force_current_page)
+
+        return bench(sparse), bench(native)
+
+    dense_ms = bench(dense)
+    sparse_ms, native_ms = stage2("auto")
+    sparse8_ms, native8_ms = stage2("fp8_e4m3")
     print(f"{'wall' if args.wall else 'CPU'} time; "
           f"isa {isa}, layout {layout}, OMP threads {torch.get_num_threads()}, batch "
           f"{args.batch}, context {n}, kept {plan.prompt_budget}, page {ps}, "
@@ -121,6 +138,8 @@ def main() -> None:
           f"({dense_ms / sparse_ms:.2f}x of dense speed)")
     print(f"ROCKETKV Stage 2 (C++ kernel):    {native_ms:.3f} ms per layer "
           f"({dense_ms / native_ms:.2f}x of dense speed)")
+    print(f"  with fp8 KT pages: batched torch {sparse8_ms:.3f} ms, C++ kernel "
+          f"{native8_ms:.3f} ms per layer ({dense_ms / native8_ms:.2f}x of dense speed)")
 
 
 if __name__ == "__main__":

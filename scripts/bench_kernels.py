@@ -20,8 +20,8 @@ context + generated). Methods:
 * ``dense_own``         -- our ``kernels.dense_decode`` (split-K flash decoding);
 * ``rocketkv``          -- ``triton_ops.hsa_decode_batch``: the whole Stage-2
   chain (KT update, page scoring, top-n page selection, sparse attention),
-  once per config (``--configs``; default ``token_budget=2048`` and the
-  ``trtllm`` preset), each resolved as the backend does
+  once per config (``--configs``; default ``token_budget=2048``, the
+  ``trtllm`` preset, and that preset with fp8 KT pages), each resolved as the backend does
   (``config.parse_config`` -> ``resolve_settings(block 16, d 128,
   --max-model-len)`` -> ``plan_request(context)``), on the compressed view
   such a request has: ``num_compact`` kept tokens compacted onto its first
@@ -110,7 +110,8 @@ def parse_args():
     p.add_argument("--contexts", default="4096,32768,131072", help="prompt tokens")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--configs", default="token_budget=2048,preset=trtllm",
+    p.add_argument("--configs",
+                   default="token_budget=2048,preset=trtllm,preset=trtllm+kt_dtype=fp8_e4m3",
                    help="ROCKETKV configs, comma separated; each key=value[+key=value]"
                         " (the additional_config['rocketkv'] dict)")
     p.add_argument("--heads", default="32,8", help="Hq,Hkv")
@@ -139,7 +140,8 @@ def parse_args():
     args = p.parse_args()
     if args.smoke:
         args.contexts, args.batches = "256,512", "1,2"
-        args.configs = "token_budget=64,preset=trtllm+prompt_budget=128+topk=32"
+        args.configs = ("token_budget=64,preset=trtllm+prompt_budget=128+topk=32,"
+                        "preset=trtllm+prompt_budget=128+topk=32+kt_dtype=fp8_e4m3")
         args.heads, args.head_dim, args.max_model_len = "8,2", 64, 0
         args.stage1_context, args.stage1_config = 512, "token_budget=64"
         args.warmup, args.iters, args.generated = 1, 2, 8
@@ -372,15 +374,19 @@ class VllmKernels:
 
 
 # ---------------------------------------------------------------- caches
-def make_cache(num_blocks, hkv, d, bs, page_size, dtype, device):
+def make_cache(num_blocks, hkv, d, bs, page_size, dtype, device, kt_dtype="auto"):
     """[num_blocks, Hkv, bs, 2d] KV cache (K|V per token); with page_size,
     the ROCKETKV layout: KT pages in each block's padding (kt view returned)."""
     width = 2 * d
-    block = hkv * bs * width + (hkv * (bs // page_size) * width if page_size else 0)
+    kt_elems = 0
+    if page_size:
+        kt_bytes = hkv * (bs // page_size) * paged.kt_row_bytes(d, dtype, kt_dtype)
+        kt_elems = cdiv(kt_bytes, dtype.itemsize)
+    block = hkv * bs * width + kt_elems
     storage = torch.empty(num_blocks * block, dtype=dtype, device=device)
     storage.normal_()
     kv = torch.as_strided(storage, (num_blocks, hkv, bs, width), (block, bs * width, width, 1))
-    kt = paged.kt_cache_view(kv, page_size) if page_size else None
+    kt = paged.kt_cache_view(kv, page_size, kt_dtype) if page_size else None
     return kv, kt
 
 
@@ -436,7 +442,8 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     n_sel = min(max(plan.topk // ps, 1), view_pages, max_select)
     compact_blocks, tail_blocks = cdiv(nc, bs), cdiv(seq_len - ts, bs)
     view_blocks = compact_blocks + tail_blocks
-    kv, kt = make_cache(batch * view_blocks + 1, hkv, d, bs, ps, a.dtype, dev)
+    kv, kt = make_cache(batch * view_blocks + 1, hkv, d, bs, ps, a.dtype, dev,
+                        settings.kt_dtype)
     k_cache, v_cache = paged.split_kv(kv, "token")
     table = torch.zeros(batch, cdiv(seq_len, bs), dtype=torch.int32, device=dev)
     perm = torch.randperm(batch * view_blocks, device=dev).add_(1).to(torch.int32)
@@ -480,11 +487,12 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
                 out=out), refresh),
         })
     esize = kv.element_size()
-    bytes_kt = batch * hkv * view_pages * 2 * d * esize
+    bytes_kt = batch * hkv * view_pages * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype)
     bytes_kv = batch * hkv * n_sel * ps * 2 * d * esize
     bytes_scratch = (batch * hq * max_pages * 4 * 2        # logits: write + read
                      + batch * hkv * max_pages * 4 * 2)    # probs: write + read
-    bytes_kt_update = batch * hkv * (ps * d + 2 * 2 * d) * esize
+    bytes_kt_update = batch * hkv * (ps * d * esize
+                                     + 2 * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype))
     row.update({
         "page_size": ps, "prompt_budget": plan.prompt_budget, "num_compact": nc,
         "tail_start": ts, "seq_len": seq_len, "topk": plan.topk, "topr": plan.topr,

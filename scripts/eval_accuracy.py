@@ -28,6 +28,8 @@ at token budget B (tokens attended per decode step):
   to Quest's own evaluation code: it keeps layers 0-1 dense and bounds each
   query head separately; here a GQA group shares one page set (RocketKV's
   scoring, the same kernels as the other methods).
+- ``rocketkv_fp8kt``: ``rocketkv`` with ``"kt_dtype": "fp8_e4m3"`` (KT pages
+  in fp8, rounded outward: ``algorithm.kt_fp8``); not in the default grid.
 - ``oracle``: ``{"evict": false, "page_size": 1, "topk": B,
   "force_current_page": false}``: pages of one token over all channels score
   exactly q.k, so this attends to the top-B tokens by true attention score.
@@ -96,7 +98,8 @@ sys.path.insert(0, ROOT)
 
 from rocketkv_vllm import eval_tasks  # noqa: E402
 
-METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv")
+METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
+DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant on request (--methods)
 ROW_FIELDS = ("task", "length", "method", "budget", "accuracy", "n", "std",
               "agreement", "first_divergence_mean")
 
@@ -108,6 +111,8 @@ def method_settings(method: str, budget: int | None, max_tokens: int) -> dict | 
     b = int(budget)
     if method == "rocketkv":
         return {"token_budget": b, "max_new_tokens": max_tokens}
+    if method == "rocketkv_fp8kt":
+        return {"token_budget": b, "max_new_tokens": max_tokens, "kt_dtype": "fp8_e4m3"}
     if method == "snapkv":
         # The kept part and the tail may each end in a partial page: two
         # pages of slack make the selection cover the whole view.
@@ -314,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", default=",".join(eval_tasks.TASKS))
     ap.add_argument("--lengths", default="2048,6144", help="prompt tokens, comma-separated")
     ap.add_argument("--budgets", default="128,256,1024")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--samples", type=int, default=8, help="samples per cell")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="generation length (default: per task, "

@@ -10,16 +10,17 @@ from rocketkv_vllm.config import RequestPlan
 NUM_BLOCKS = 210
 
 
-def _cache(hkv, d, bs, ps, layout, storage=None):
+def _cache(hkv, d, bs, ps, layout, storage=None, kt_dtype="auto"):
     """Padded cache (KT pages in each block's padding) and its views."""
     pages = bs // ps
-    block_elems = hkv * bs * 2 * d + hkv * pages * 2 * d
+    kt_bytes = hkv * pages * paged.kt_row_bytes(d, torch.float32, kt_dtype)
+    block_elems = hkv * bs * 2 * d + -(-kt_bytes // 4)
     if storage is None:
         storage = torch.full((NUM_BLOCKS * block_elems,), float("nan"))
     kv = torch.as_strided(storage, (NUM_BLOCKS, hkv, bs, 2 * d),
                           (block_elems, bs * 2 * d, 2 * d, 1))
     k, v = paged.split_kv(kv, layout)
-    return storage, k, v, paged.kt_cache_view(kv, ps)
+    return storage, k, v, paged.kt_cache_view(kv, ps, kt_dtype)
 
 
 def _compressed_request(k, v, kt, row, n, budget, bs, ps, g, seed):
@@ -37,14 +38,18 @@ def _compressed_request(k, v, kt, row, n, budget, bs, ps, g, seed):
 
 
 @pytest.mark.parametrize("layout", ["token", "head_rows"])
-@pytest.mark.parametrize("hkv,g,d,bs,ps,force", [
-    (3, 3, 64, 32, 4, True),
-    (2, 4, 128, 16, 2, False),
-    (1, 1, 64, 32, 8, True),
-    (2, 3, 64, 16, 1, False),  # page size 1 (the "oracle" method's)
+@pytest.mark.parametrize("hkv,g,d,bs,ps,force,kt_dtype", [
+    (3, 3, 64, 32, 4, True, "auto"),
+    (2, 4, 128, 16, 2, False, "auto"),
+    (1, 1, 64, 32, 8, True, "auto"),
+    (2, 3, 64, 16, 1, False, "auto"),  # page size 1 (the "oracle" method's)
+    # fp8 KT: the incremental update (decode, fold, encode) must give the
+    # oracle's from-scratch rows bit for bit (algorithm.kt_fp8).
+    (3, 3, 64, 32, 4, True, "fp8_e4m3"),
+    (2, 4, 128, 16, 8, False, "fp8_e4m3"),
 ])
-def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force):
-    storage, k, v, kt = _cache(hkv, d, bs, ps, layout)
+def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force, kt_dtype):
+    storage, k, v, kt = _cache(hkv, d, bs, ps, layout, kt_dtype=kt_dtype)
     gen = torch.Generator().manual_seed(d + bs)
     # Different lengths, budgets, top-k and top-r; 512 fills its last block
     # exactly; budget == n is rocketkv.evict=false (identity, all kept).
@@ -58,7 +63,7 @@ def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force):
         rows.append(row)
         plans.append((plan, topk, topr))
     block_table = torch.stack(rows).int()
-    _, ok, ov, oracle_kt = _cache(hkv, d, bs, ps, layout, storage.clone())
+    _, ok, ov, oracle_kt = _cache(hkv, d, bs, ps, layout, storage.clone(), kt_dtype)
     seq = torch.tensor([p.num_prompt_tokens for p, _, _ in plans])
     for step in range(2 * ps + 1):  # crosses page boundaries
         seq = seq + 1

@@ -21,6 +21,8 @@ from rocketkv_vllm.config import (
     ({"topk": "many"}, "rocketkv.topk"),
     ({"token_budget": 8}, "rocketkv.token_budget"),
     ({"kernel": "cuda"}, "rocketkv.kernel"),
+    ({"kt_dtype": "fp8"}, "rocketkv.kt_dtype"),
+    ({"kt_dtype": None}, "rocketkv.kt_dtype"),
     ({"preset": "no-such-preset"}, "rocketkv.preset"),
     ({"force_current_page": "yes"}, "rocketkv.force_current_page"),
     ({"prompt_budget": True}, "rocketkv.prompt_budget"),

@@ -16,18 +16,19 @@ def test_the_extension_builds_here():
     assert cpu_ops.build_error() is None
 
 
-def _cache(hkv, d, bs, ps, dtype):
+def _cache(hkv, d, bs, ps, dtype, kt_dtype="auto"):
     pages = bs // ps
-    block_elems = hkv * bs * 2 * d + hkv * pages * 2 * d
+    kt_bytes = hkv * pages * paged.kt_row_bytes(d, dtype, kt_dtype)
+    block_elems = hkv * bs * 2 * d + -(-kt_bytes // dtype.itemsize)
     storage = torch.full((NUM_BLOCKS * block_elems,), float("nan"), dtype=dtype)
     return storage, block_elems
 
 
-def _views(storage, block_elems, hkv, d, bs, ps, layout):
+def _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype="auto"):
     kv = torch.as_strided(storage, (NUM_BLOCKS, hkv, bs, 2 * d),
                           (block_elems, bs * 2 * d, 2 * d, 1))
     k, v = paged.split_kv(kv, layout)
-    return kv, k, v, paged.kt_cache_view(kv, ps)
+    return kv, k, v, paged.kt_cache_view(kv, ps, kt_dtype)
 
 
 def _query(batch, hkv, g, d, dtype, gen):
@@ -52,8 +53,23 @@ def _query(batch, hkv, g, d, dtype, gen):
     (3, 3, 64, 32, 16, False),
 ])
 def test_native_stage2_matches_batched_torch(layout, dtype, hkv, g, d, bs, ps, force):
-    storage, block_elems = _cache(hkv, d, bs, ps, dtype)
-    kv, k, v, kt = _views(storage, block_elems, hkv, d, bs, ps, layout)
+    _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, "auto")
+
+
+@pytest.mark.parametrize("layout", ["head_rows", "cpu_vec", "cpu_amx"])
+@pytest.mark.parametrize("hkv,g,d,bs,ps,force", [
+    (3, 3, 64, 32, 4, True),
+    (2, 4, 128, 32, 2, False),
+])
+def test_native_stage2_with_fp8_kt_matches_batched_torch(layout, hkv, g, d, bs, ps, force):
+    # KT bytes must agree exactly: both fold the new key into decoded rows
+    # and encode outward (algorithm.kt_fp8).
+    _check_against_batched(layout, torch.bfloat16, hkv, g, d, bs, ps, force, "fp8_e4m3")
+
+
+def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype):
+    storage, block_elems = _cache(hkv, d, bs, ps, dtype, kt_dtype)
+    kv, k, v, kt = _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype)
     gen = torch.Generator().manual_seed(d + bs + ps)
     # Three compressed requests of different lengths, budgets, top-k, top-r.
     specs = [(700, 160, 8, 16), (530, 96, 3, d), (401, 200, 1, 7)]
@@ -72,7 +88,7 @@ def test_native_stage2_matches_batched_torch(layout, dtype, hkv, g, d, bs, ps, f
         plans.append((n, budget - (n - tail), tail, pages_k, topr))
     table = torch.stack(rows).int()
     other = storage.clone()
-    kv2, k2, v2, kt2 = _views(other, block_elems, hkv, d, bs, ps, layout)
+    kv2, k2, v2, kt2 = _views(other, block_elems, hkv, d, bs, ps, layout, kt_dtype)
     col = lambda i: torch.tensor([p[i] for p in plans], dtype=torch.int32)  # noqa: E731
     num_compact, tail_start, num_select, topr = col(1), col(2), col(3), col(4)
     seq = col(0)

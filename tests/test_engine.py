@@ -214,12 +214,13 @@ def test_chunked_prefill_gives_the_same_output(model_path, tokenizer):
         assert list(a) == list(b)
 
 
-def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer):
+@pytest.mark.parametrize("kt_dtype", ["auto", "fp8_e4m3"])
+def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtype):
     """The Triton kernels (interpreted on CPU) inside the engine: same tokens
     as the PyTorch path, with compression, a mixed batch and a dense row."""
     prompts = [build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
                _chat(tokenizer, "Name three colours.")]
-    cfg = {"prompt_budget": 128, "topk": 32}
+    cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
     torch_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="torch"))
     torch_ids, _ = greedy(torch_llm, prompts, max_tokens=5)
     shutdown(torch_llm)
@@ -227,3 +228,24 @@ def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer):
     triton_ids, _ = greedy(triton_llm, prompts, max_tokens=5)
     shutdown(triton_llm)
     assert [list(t) for t in triton_ids] == [list(t) for t in torch_ids]
+
+
+def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(model_path, tokenizer):
+    """kt_dtype fp8_e4m3 in the engine: the native CPU kernel and batched
+    PyTorch (two implementations of the fp8 rows) choose the same pages, and
+    the smaller KT rows leave room for more KV blocks."""
+    prompts = [build_needle_prompt(tokenizer, 1400, 0.4, seed=41).prompt,
+               build_needle_prompt(tokenizer, 2300, 0.6, seed=42).prompt]
+    cfg = {"token_budget": 256, "kt_dtype": "fp8_e4m3"}
+    native = make_llm(model_path, "ROCKETKV", cfg)
+    fp8_blocks = native.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    native_ids, _ = greedy(native, prompts, max_tokens=16)
+    shutdown(native)
+    torch_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="torch"))
+    torch_ids, _ = greedy(torch_llm, prompts, max_tokens=16)
+    shutdown(torch_llm)
+    assert [list(t) for t in native_ids] == [list(t) for t in torch_ids]
+    bf16 = make_llm(model_path, "ROCKETKV", {"token_budget": 256})
+    bf16_blocks = bf16.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    shutdown(bf16)
+    assert fp8_blocks > bf16_blocks, (fp8_blocks, bf16_blocks)

@@ -29,6 +29,11 @@ def test_spec_counts_kt_pages_in_every_block():
     assert spec.page_size_bytes == kv + kt  # KT = 1/page_size of the K+V bytes
     merged = RocketKVAttentionSpec.merge([spec, spec])
     assert merged == spec
+    # fp8 KT rows: 2 * 64 one-byte codes + a 16-byte scale slot per page.
+    fp8 = resolve_settings(parse_config({"page_size": 4, "kt_dtype": "fp8_e4m3"}),
+                           16, 64, 8192)
+    spec8 = make_rocketkv_spec(base, fp8)
+    assert spec8.page_size_bytes == kv + 3 * (16 // 4) * (2 * 64 + 16)
 
 
 def _random_prompts(n, lengths, seed=0):

@@ -3,6 +3,7 @@
 No vLLM imports here: the functions see plain tensors, one request at a time.
 """
 
+from rocketkv_vllm.algorithm import kt_fp8
 from rocketkv_vllm.algorithm.hsa import hsa_page_probs, hsa_select_pages, sparse_attention
 from rocketkv_vllm.algorithm.snapkv import (
     pool_scores,
@@ -12,6 +13,7 @@ from rocketkv_vllm.algorithm.snapkv import (
 
 __all__ = [
     "hsa_page_probs",
+    "kt_fp8",
     "hsa_select_pages",
     "pool_scores",
     "snapkv_keep_positions",
