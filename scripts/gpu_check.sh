@@ -18,7 +18,7 @@
 #   kernels    scripts/bench_kernels.py -> $OUT/kernels-h200.json                    ~2-4 min
 #   model      SmolLM2 rebuilt from the staged GGUF (scripts/gpu_model.py)            ~20 s
 #   e2e        scripts/gpu_e2e.py engines: FLASH_ATTN vs uncompressed ROCKETKV (greedy
-#              tokens), needle at token_budget 256 -> $OUT/checks-h200.json           ~3-4 min
+#              tokens), needle at token_budget 256 (bf16, fp8 KT) -> checks-h200.json ~4-5 min
 #   serve      vllm serve MODEL --attention-backend ROCKETKV + one openai chat request ~1-2 min
 #   e2e-bench  scripts/bench_e2e.py dense vs ROCKETKV -> $OUT/e2e-h200.json           ~2-3 min
 # Our package is made importable without pip: /tmp/rkv-site holds rocketkv_vllm/ as symlinks

@@ -221,13 +221,18 @@ def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtyp
     prompts = [build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
                _chat(tokenizer, "Name three colours.")]
     cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
-    torch_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="torch"))
-    torch_ids, _ = greedy(torch_llm, prompts, max_tokens=5)
-    shutdown(torch_llm)
-    triton_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="triton"))
-    triton_ids, _ = greedy(triton_llm, prompts, max_tokens=5)
-    shutdown(triton_llm)
-    assert [list(t) for t in triton_ids] == [list(t) for t in torch_ids]
+    torch_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="torch"), prompts, 5)
+    triton_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="triton"), prompts, 5)
+    assert triton_ids == torch_ids
+
+
+def _rocketkv_tokens(model_path, cfg, prompts, max_tokens):
+    """(greedy token lists, KV blocks) of a fresh ROCKETKV engine."""
+    llm = make_llm(model_path, "ROCKETKV", cfg)
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    ids, _ = greedy(llm, prompts, max_tokens=max_tokens)
+    shutdown(llm)
+    return [list(t) for t in ids], blocks
 
 
 def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(model_path, tokenizer):
@@ -237,15 +242,8 @@ def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(model_path, tokeniz
     prompts = [build_needle_prompt(tokenizer, 1400, 0.4, seed=41).prompt,
                build_needle_prompt(tokenizer, 2300, 0.6, seed=42).prompt]
     cfg = {"token_budget": 256, "kt_dtype": "fp8_e4m3"}
-    native = make_llm(model_path, "ROCKETKV", cfg)
-    fp8_blocks = native.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    native_ids, _ = greedy(native, prompts, max_tokens=16)
-    shutdown(native)
-    torch_llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel="torch"))
-    torch_ids, _ = greedy(torch_llm, prompts, max_tokens=16)
-    shutdown(torch_llm)
-    assert [list(t) for t in native_ids] == [list(t) for t in torch_ids]
-    bf16 = make_llm(model_path, "ROCKETKV", {"token_budget": 256})
-    bf16_blocks = bf16.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    shutdown(bf16)
+    native_ids, fp8_blocks = _rocketkv_tokens(model_path, cfg, prompts, 16)
+    torch_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="torch"), prompts, 16)
+    assert native_ids == torch_ids
+    bf16_blocks = _rocketkv_tokens(model_path, {"token_budget": 256}, prompts[:1], 1)[1]
     assert fp8_blocks > bf16_blocks, (fp8_blocks, bf16_blocks)
