@@ -96,6 +96,19 @@ inline uint8_t fp8_outward(float y, bool upward) {
   return static_cast<uint8_t>(y < 0.f ? code | 0x80 : code);
 }
 
+// e4m3 code times scale. A normal code's exponent and mantissa bits, moved
+// into a float's and rebiased, are its value (2^(e-7) * (1 + m/8)); a
+// subnormal one is m * 2^-9. Both, then a bit-mask select: integer ops the
+// compiler vectorizes (a 256-entry table would be a gather, a ?: a branch
+// that stops vectorization). NaN codes never come from the encoder.
+inline float fp8_value(uint32_t code, float scale) {
+  const uint32_t mag = code & 0x7f;
+  const uint32_t normal = float_bits(float_from_bits((mag << 20) + (120u << 23)) * scale);
+  const uint32_t sub = float_bits(static_cast<float>(mag) * 0x1p-9f * scale);
+  const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);
+  return float_from_bits((normal & is_normal) | (sub & ~is_normal) | ((code & 0x80) << 24));
+}
+
 // KT row access: [min | max] as 2d floats, in either format.
 template <typename T, bool FP8>
 struct KtRows {
@@ -104,25 +117,32 @@ struct KtRows {
 
   inline void read(const Elem* row, float* out) const {
     if constexpr (FP8) {
-      // A normal e4m3 code's exponent and mantissa bits, moved into a
-      // float's and rebiased, are its value (2^(e-7) * (1 + m/8)); a
-      // subnormal one is m * 2^-9. Both, then a bit-mask select: integer
-      // ops the compiler vectorizes (a 256-entry table would be a gather, a
-      // ?: a branch that stops vectorization). NaN codes never come from
-      // the encoder.
       float scale;
       std::memcpy(&scale, row + 2 * d, sizeof scale);
 #pragma omp simd
-      for (int64_t k = 0; k < 2 * d; ++k) {
-        const uint32_t c = row[k], mag = c & 0x7f;
-        const uint32_t normal = float_bits(float_from_bits((mag << 20) + (120u << 23)) * scale);
-        const uint32_t sub = float_bits(static_cast<float>(mag) * 0x1p-9f * scale);
-        const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);
-        out[k] = float_from_bits((normal & is_normal) | (sub & ~is_normal) | ((c & 0x80) << 24));
-      }
+      for (int64_t k = 0; k < 2 * d; ++k) out[k] = fp8_value(row[k], scale);
     } else {
 #pragma omp simd
       for (int64_t k = 0; k < 2 * d; ++k) out[k] = to_float(row[k]);
+    }
+  }
+  // The bound of each channel as d floats: max where take_max[c] is all
+  // ones, min where it is zero (a bit-mask select, so the loop vectorizes;
+  // only the chosen half is converted).
+  inline void read_bound(const Elem* row, const uint32_t* take_max, float* out) const {
+    if constexpr (FP8) {
+      float scale;
+      std::memcpy(&scale, row + 2 * d, sizeof scale);
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c)
+        out[c] = fp8_value((row[d + c] & take_max[c]) | (row[c] & ~take_max[c]), scale);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c)
+        out[c] = float_from_bits(((row[d + c].x & take_max[c]) | (row[c].x & ~take_max[c]))
+                                 << 16);
+    } else {
+      for (int64_t c = 0; c < d; ++c) out[c] = to_float(take_max[c] ? row[d + c] : row[c]);
     }
   }
   inline void write(Elem* row, const float* in) const {
@@ -260,24 +280,22 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       std::partial_sort(chan.begin(), chan.begin() + r, chan.end(),
                         [&](int64_t a, int64_t c) { return mag[a] > mag[c]; });
       chan.resize(r);
-      // The bound reads max where the group's sum is positive, else min: a
-      // query row over the page's whole [min | max] row, zero off the chosen
-      // channels, scaled by the SparQ temperature, so scoring a page is one
-      // dense dot product (the row's cache lines are read whole anyway).
-      std::vector<float> q_row(G * 2 * d, 0.f);
+      // The bound reads max where the group's sum is positive, else min; a
+      // query row zero off the chosen channels, scaled by the SparQ
+      // temperature, makes scoring a page one dense dot product over d.
+      std::vector<float> q_sel(G * d, 0.f);
+      std::vector<uint32_t> take_max(d);
+      for (int64_t c = 0; c < d; ++c) take_max[c] = sum[c] > 0.f ? ~0u : 0u;
       for (int64_t g = 0; g < G; ++g) {
         float all = 0.f, kept = 0.f;
         for (int64_t c = 0; c < d; ++c) all += std::fabs(q[g * d + c]);
         for (int64_t i = 0; i < r; ++i) kept += std::fabs(q[g * d + chan[i]]);
         const float tau = std::sqrt(d * kept / std::max(all, 1e-30f));
         const float inv_tau = 1.f / std::max(tau, 1e-30f);
-        for (int64_t i = 0; i < r; ++i) {
-          const int64_t c = chan[i];
-          q_row[g * 2 * d + (sum[c] > 0.f ? d + c : c)] = q[g * d + c] * inv_tau;
-        }
+        for (int64_t i = 0; i < r; ++i) q_sel[g * d + chan[i]] = q[g * d + chan[i]] * inv_tau;
       }
       // Page logits [G, P] and token counts.
-      std::vector<float> logits(G * num_pages), bound(2 * d);
+      std::vector<float> logits(G * num_pages), bound(d);
       std::vector<int64_t> page_start(num_pages), page_tokens(num_pages);
       for (int64_t p = 0; p < num_pages; ++p) {
         const bool in_compact = p < compact_pages;
@@ -286,13 +304,13 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
         page_start[p] = start;
         page_tokens[p] = std::min<int64_t>(ps, end - start);
         const int64_t block = table[b * table_stride + start / bs];
-        kt_rows.read(kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp,
-                     bound.data());
+        kt_rows.read_bound(kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp,
+                           take_max.data(), bound.data());
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &q_row[g * 2 * d];
+          const float* qg = &q_sel[g * d];
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t k = 0; k < 2 * d; ++k) s += qg[k] * bound[k];
+          for (int64_t c = 0; c < d; ++c) s += qg[c] * bound[c];
           logits[g * num_pages + p] = s;
         }
       }
