@@ -35,13 +35,12 @@ from rocketkv_vllm.algorithm import (
     sparse_attention,
 )
 
-KT_DTYPES = ("auto", "fp8_e4m3")
-
 
 def kt_row_bytes(head_dim: int, dtype: torch.dtype, kt_dtype: str) -> int:
     """Bytes of one KT row (one page, one KV head)."""
     if kt_dtype == "fp8_e4m3":
         return kt_fp8.row_bytes(head_dim)
+    assert kt_dtype == "auto", kt_dtype
     return 2 * head_dim * dtype.itemsize
 
 
@@ -52,31 +51,19 @@ def kt_cache_view(kv_cache: torch.Tensor, page_size: int,
     [num_blocks, Hkv, pages, 2d + 16] fp8 rows (``algorithm.kt_fp8``)."""
     num_blocks, num_heads, block_size, width = kv_cache.shape
     pages = block_size // page_size
-    kv_elems = num_heads * block_size * width
-    if kt_dtype == "fp8_e4m3":
-        size = kv_cache.element_size()
-        base = kv_cache.view(torch.uint8)  # last dim is contiguous
-        row = kt_fp8.row_bytes(width // 2)
-        assert kv_cache.stride(0) * size >= (kv_elems * size + num_heads * pages * row), (
-            "KV block has no room for the fp8 KT cache: was the ROCKETKV spec used?"
-        )
-        return torch.as_strided(
-            base,
-            size=(num_blocks, num_heads, pages, row),
-            stride=(kv_cache.stride(0) * size, pages * row, row, 1),
-            storage_offset=(kv_cache.storage_offset() + kv_elems) * size,
-        )
-    assert kt_dtype == "auto", kt_dtype
-    kt_elems = num_heads * pages * width
-    assert kv_cache.stride(0) >= kv_elems + kt_elems, (
+    size = kv_cache.element_size()
+    kv_bytes = num_heads * block_size * width * size
+    row = kt_row_bytes(width // 2, kv_cache.dtype, kt_dtype)
+    assert kv_cache.stride(0) * size >= kv_bytes + num_heads * pages * row, (
         "KV block has no room for the KT cache: was the ROCKETKV spec used?"
     )
-    return torch.as_strided(
-        kv_cache,
-        size=(num_blocks, num_heads, pages, width),
-        stride=(kv_cache.stride(0), pages * width, width, 1),
-        storage_offset=kv_cache.storage_offset() + kv_elems,
+    rows = torch.as_strided(
+        kv_cache.view(torch.uint8),  # its last dim is contiguous
+        size=(num_blocks, num_heads, pages, row),
+        stride=(kv_cache.stride(0) * size, pages * row, row, 1),
+        storage_offset=kv_cache.storage_offset() * size + kv_bytes,
     )
+    return rows if kt_dtype == "fp8_e4m3" else rows.view(kv_cache.dtype)
 
 
 def kt_bounds(kt_rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

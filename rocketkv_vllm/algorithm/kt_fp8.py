@@ -50,14 +50,6 @@ def _round_toward_zero(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m >= 2.0 ** -6, normal, subnormal)
 
 
-def _decode_magnitude(code: torch.Tensor) -> torch.Tensor:
-    """Value of a sign-less e4m3 code (0..0x7e) in fp32."""
-    e = (code >> 3) & 15
-    m = (code & 7).float()
-    return torch.where(e == 0, m * 2.0 ** -9,
-                       (8 + m) * torch.exp2((e - 10).float()))
-
-
 def row_scale(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Power-of-two scale per row [...]: smallest 2**e with max|x| <= 448 * 2**e."""
     maxabs = torch.maximum(kmin.abs().amax(-1), kmax.abs().amax(-1)).float()
@@ -72,7 +64,7 @@ def encode(x: torch.Tensor, scale: torch.Tensor, upward: bool) -> torch.Tensor:
     y = x.float() / scale[..., None]
     m = y.abs()
     code = _round_toward_zero(m)
-    inexact = _decode_magnitude(code) != m
+    inexact = code.to(torch.uint8).view(torch.float8_e4m3fn).float() != m
     # Up means away from zero for positive y and toward zero for negative y.
     away = (y >= 0) if upward else (y < 0)
     code = code + (inexact & away).to(torch.int32)
