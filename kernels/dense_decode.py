@@ -76,7 +76,7 @@ def _dense_decode_kernel(
                         stride_vb, stride_vh, stride_vs, stride_vd)
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
-                  stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
+                  seq, stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
 
 
 def dense_decode(
@@ -122,5 +122,5 @@ def dense_decode(
         num_warps=4, num_stages=2,
     )
     if not direct:
-        merge_splits(o_part, lse_part, out, splits, group, d)
+        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)
     return out

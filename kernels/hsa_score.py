@@ -27,15 +27,17 @@ j * ps, the others at tail_start + (j - npc) * ps; P = npc +
 ceil((seq_len - tail_start) / ps).
 
 Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
-1. ``_page_logits_kernel`` grid (B*Hkv, S): split s scores pages
-   [s*CHUNK, (s+1)*CHUNK) (CHUNK <= 512 from max_pages, B, Hkv and the SM
-   count: a Python-int choice) in tiles of BLOCK_P with one [G_pad, d] x [d,
-   BLOCK_P] fp32 dot, stores the tempered logits (log2 units) to a scratch
-   [B, Hkv, G, max_pages] and its partial max / token-weighted sum-of-exp
-   per query head.
-2. ``_page_probs_kernel`` grid (B*Hkv, S): merges the S partials, turns its
-   chunk of logits into group-averaged probabilities (writes every one of
-   the max_pages entries).
+1. ``_page_logits_kernel`` grid (B*Hkv, S) (S = max_pages / CHUNK, CHUNK
+   <= 512 from max_pages, B, Hkv and the SM count: a Python-int choice):
+   the row's own P pages are spread over the S splits in whole tiles of
+   BLOCK_P (so the work follows P, not max_pages, when a CUDA graph fixes
+   max_pages at its largest), one [G_pad, d] x [d, BLOCK_P] fp32 dot per
+   tile; stores the tempered logits (log2 units) to a scratch [B, Hkv, G,
+   max_pages] and each split's partial max / token-weighted sum-of-exp per
+   query head.
+2. ``_page_probs_kernel`` grid (B*Hkv, S): merges the S partials, turns
+   logits [s*CHUNK, (s+1)*CHUNK) into group-averaged probabilities (writes
+   every one of the max_pages entries).
 3. selection, n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages
    per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel``
    grid (B*Hkv) -- a bisection on the fp32 bit patterns finds the n_use-th
@@ -86,7 +88,7 @@ def _page_logits_kernel(
     num_kv_heads, max_pages, num_splits,
     stride_qb, stride_qh, stride_bt, stride_tb, stride_th, stride_tp,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr,
+    BS: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr,
     RANK_CHUNK: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     HALF: tl.constexpr, KT_FP8: tl.constexpr,
 ):
@@ -143,10 +145,14 @@ def _page_logits_kernel(
         q3 = (rem - q2.to(tl.float32)).to(HALF)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    lo = split * CHUNK
+    # The row's own pages spread over the splits, whole tiles each (the grid
+    # is fixed by max_pages; under a CUDA graph that is the largest view).
     # (a row with more pages than max_pages is a caller error: its pages
     # past max_pages are ignored rather than written out of bounds)
-    hi = tl.minimum(tl.minimum(lo + CHUNK, num_pages), max_pages)
+    row_pages = tl.minimum(num_pages, max_pages)
+    chunk = ((row_pages + num_splits - 1) // num_splits + BLOCK_P - 1) // BLOCK_P * BLOCK_P
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, row_pages)
     row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
     for p0 in range(lo, hi, BLOCK_P):
         j = p0 + tl.arange(0, BLOCK_P)
@@ -199,7 +205,7 @@ def _page_probs_kernel(
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     sp = tl.arange(0, S_PAD)
-    active = sp < (num_pages + CHUNK - 1) // CHUNK
+    active = sp < num_splits  # an empty split left (-inf, 0)
     part = (bh * num_splits + sp)[:, None] * G_PAD + g[None, :]
     pmask = active[:, None] & g_ok[None, :]
     pm = tl.load(pm_ptr + part, mask=pmask, other=float("-inf"))
@@ -282,7 +288,7 @@ def hsa_page_probs(
         query.stride(0), query.stride(1), block_table.stride(0),
         kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
         G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
-        BLOCK_P=block_p, CHUNK=chunk, RANK_CHUNK=min(16, head_pad(d)),
+        BLOCK_P=block_p, RANK_CHUNK=min(16, head_pad(d)),
         SPLIT=half is not None, UPCAST=half is not None and dot_upcast(half),
         HALF=_TL_DTYPE.get(half, tl.float32), KT_FP8=fp8, num_warps=4,
     )

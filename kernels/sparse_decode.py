@@ -66,7 +66,7 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
 
 @triton.jit
 def _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
-                  stride_ob, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
+                  seq, stride_ob, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
                   D: tl.constexpr, D_PAD: tl.constexpr, DIRECT: tl.constexpr):
     """Normalised output: to ``out`` (one split) or as a partial + lse."""
     g = tl.arange(0, G_PAD)
@@ -75,8 +75,10 @@ def _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_s
     has = l_i > 0
     res = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:
+        # padding rows (seq_len <= 0) keep what ``out`` holds
         dst = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
-        tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=mask)
+        row_ok = (g * 0 + seq) > 0
+        tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=mask & row_ok[:, None])
     else:
         idx = (bh.to(tl.int64) * num_splits + split) * G + g
         tl.store(o_ptr + idx[:, None] * D + d[None, :], res, mask=mask)
@@ -114,7 +116,7 @@ def _load_kv(k_ptr, v_ptr, blk, h, off, ok, d, d_ok,
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
     o_ptr, lse_ptr, out_ptr,
-    num_kv_heads, num_sel, num_splits, tiles_per_split, extra, scale_log2,
+    num_kv_heads, num_sel, num_splits, extra, scale_log2,
     stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -140,6 +142,10 @@ def _sparse_decode_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     sel_row = sel_ptr + bh.to(tl.int64) * num_sel
     row_bt = bt_ptr + b.to(tl.int64) * stride_bt
+    # The row's own entries spread over the splits (the grid is fixed by
+    # n_sel; under a CUDA graph n_sel is the largest any row may use).
+    tiles_per_split = ((n_use + PAGES_PER_TILE - 1) // PAGES_PER_TILE
+                       + num_splits - 1) // num_splits
     lo = split * (tiles_per_split * PAGES_PER_TILE)
     hi = tl.minimum(lo + tiles_per_split * PAGES_PER_TILE, n_use)
     for e0 in range(lo, hi, PAGES_PER_TILE):
@@ -157,16 +163,17 @@ def _sparse_decode_kernel(
                         stride_vb, stride_vh, stride_vs, stride_vd)
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
-                  stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
+                  seq, stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    o_ptr, lse_ptr, out_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
+    o_ptr, lse_ptr, out_ptr, seq_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)  # = b * Hq + hq = (b * Hkv + h) * G + g
     b = pid // num_q_heads
+    seq = tl.load(seq_ptr + b)  # padding rows (<= 0): ``out`` keeps what it holds
     hq = pid % num_q_heads
     bh = pid // G
     g = pid % G
@@ -183,7 +190,7 @@ def _merge_splits_kernel(
                 mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
-             res.to(out_ptr.dtype.element_ty), mask=d < D)
+             res.to(out_ptr.dtype.element_ty), mask=(d < D) & ((d * 0 + seq) > 0))
 
 
 def plan_splits(num_tiles: int, num_programs: int, device: torch.device,
@@ -198,10 +205,10 @@ def plan_splits(num_tiles: int, num_programs: int, device: torch.device,
     return cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
-def merge_splits(o_part, lse_part, out, num_splits, group, d):
+def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d):
     batch, hq, _ = out.shape
     _merge_splits_kernel[(batch * hq,)](
-        o_part, lse_part, out, hq, num_splits, out.stride(0), out.stride(1),
+        o_part, lse_part, out, seq_lens, hq, num_splits, out.stride(0), out.stride(1),
         G=group, D=d, D_PAD=head_pad(d), S_PAD=max(2, next_pow2(num_splits)),
         num_warps=4,
     )
@@ -215,8 +222,8 @@ def _prepare(query, k_cache, v_cache, out):
         query = query.to(k_cache.dtype)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if out is None:
-        out = torch.empty(batch, hq, d, device=query.device, dtype=query.dtype)
+    if out is None:  # zeros: padding rows (seq_len <= 0) are never written
+        out = torch.zeros(batch, hq, d, device=query.device, dtype=query.dtype)
     assert out.shape == (batch, hq, d) and out.stride(-1) == 1
     return query, out, hkv, bs, d, hq // hkv
 
@@ -258,8 +265,8 @@ def sparse_decode(
     num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start,
                                                           seq_lens, topk)
     pages_per_tile = max(1, tile_tokens // page_size)
-    splits, tiles_per_split = plan_splits(cdiv(num_sel, pages_per_tile), batch * hkv,
-                                          query.device, num_splits)
+    splits, _ = plan_splits(cdiv(num_sel, pages_per_tile), batch * hkv, query.device,
+                            num_splits)
     direct = splits == 1
     g_pad = group_pad(group)
     if direct:
@@ -272,7 +279,7 @@ def sparse_decode(
     _sparse_decode_kernel[(batch * hkv, splits)](
         query, k_cache, v_cache, block_table, sel, num_compact, tail_start, seq_lens,
         topk, o_part, lse_part, out,
-        hkv, num_sel, splits, tiles_per_split, int(extra_pages), float(scale) * _LOG2E,
+        hkv, num_sel, splits, int(extra_pages), float(scale) * _LOG2E,
         query.stride(0), query.stride(1), block_table.stride(0),
         *cache_strides(k_cache), *cache_strides(v_cache),
         out.stride(0), out.stride(1),
@@ -282,5 +289,5 @@ def sparse_decode(
         num_warps=4, num_stages=2,
     )
     if not direct:
-        merge_splits(o_part, lse_part, out, splits, group, d)
+        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)
     return out

@@ -18,6 +18,9 @@ not compressed. ROCKETKV adds only what RocketKV changes:
 
 Tokens after a compressed prompt that arrive in a multi-token chunk (output
 tokens recomputed after a preemption) go through Stage 2 one at a time.
+
+On NVIDIA, one-token decode steps replay FULL CUDA graphs: such a step is
+laid out as the graph was captured (``decode_graphs``; ``_graph_step``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from rocketkv_vllm import batched, paged, request_budget, stats
+from rocketkv_vllm import batched, decode_graphs, paged, request_budget, stats
 from rocketkv_vllm.config import (
     PlanCache,
     RequestPlan,
@@ -218,6 +221,10 @@ class HsaRows:
     max_pages: int  # >= every row's view page count
     max_select: int  # >= every num_select
     pages: batched.ViewPages | None  # PyTorch path only
+    # FULL CUDA graph layout (decode_graphs): row b is the step's token b,
+    # rows with seq_len 0 are not compressed, the result goes straight into
+    # the output (those rows keep the native backend's)
+    in_place: bool = False
 
 
 @dataclass
@@ -263,7 +270,9 @@ class PromptLengths:
         self.device_reads = 0  # tests: how often the device was waited for
 
     def get(self, cm: CommonAttentionMetadata, context_lens: np.ndarray) -> np.ndarray:
-        num_reqs = cm.num_reqs
+        """Lengths of the first len(context_lens) rows (a FULL CUDA graph's
+        padding rows after them have none)."""
+        num_reqs = context_lens.shape[0]
         src = cm.rswa_prefix_lens[:num_reqs]
         if cm.req_idx is None:
             # V1 model runner: a host tensor.
@@ -284,6 +293,21 @@ class PromptLengths:
 class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig,
+                              kv_cache_spec) -> AttentionCGSupport:
+        """FULL graphs for one-token decode steps with the Triton kernels on
+        CUDA (``decode_graphs``); never elsewhere (the CPU build has none)."""
+        from vllm.platforms import current_platform
+
+        settings = settings_from_vllm_config(vllm_config)
+        if not (uses_triton(settings) and current_platform.is_cuda_alike()):
+            return AttentionCGSupport.NEVER
+        native = native_for_config(vllm_config).backend.get_builder_cls()
+        return min(native.get_cudagraph_support(vllm_config, kv_cache_spec),
+                   AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+                   key=lambda level: level.value)
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings: RocketKVSettings = settings_from_vllm_config(vllm_config)
@@ -301,6 +325,34 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         # caching pinned allocator, which does not hand a buffer out again
         # before its non-blocking copy has run.
         self._pin = is_pin_memory_available() and torch.device(device).type == "cuda"
+        self._graph_ready = False
+        self.graph: decode_graphs.DecodeGraphShape | None = None
+
+    def _graph_for(self, cm: CommonAttentionMetadata):
+        """The FULL-graph shape when this step may replay a graph (one token
+        per row, a captured batch size), else None. Decided at the first
+        build, when vLLM's graph mode is final; the persistent buffers are
+        made then."""
+        if not self._graph_ready:
+            self._graph_ready = True
+            self.graph = decode_graphs.decode_graph_shape(
+                self.vllm_config, self.settings, self.use_triton)
+            if self.graph is not None:
+                rows = self.graph.rows
+                self._graph_columns = torch.zeros(len(_HSA_COLUMNS), rows,
+                                                  dtype=torch.int32, device=self.device)
+                self._graph_native_seq_lens = torch.zeros(rows, dtype=torch.int32,
+                                                          device=self.device)
+                self._graph_tokens = torch.arange(rows, device=self.device)
+                decode_graphs.enable(self.graph, self.settings)
+                logger.info_once(
+                    "ROCKETKV: decode steps replay FULL CUDA graphs (Stage 2 "
+                    "shaped for %d rows, %d view pages, %d selected pages).",
+                    rows, self.graph.max_pages, self.graph.max_select)
+        g = self.graph
+        if g is None or cm.max_query_len != 1 or not 0 < cm.num_reqs <= g.rows:
+            return None
+        return g
 
     def build(
         self,
@@ -313,12 +365,19 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         # backend must not apply the marker window.
         native_cm = cm.replace(rswa_prefix_lens=None)
         md = RocketKVMetadata(native=None, num_actual_tokens=cm.num_actual_tokens)
+        graph = self._graph_for(cm)
         if cm.rswa_prefix_lens is None or cm.num_reqs == 0:
             # Dummy / capture batches carry no prompt lengths: all dense.
+            if graph is not None:
+                return self._graph_step(md, common_prefix_len, cm, native_cm,
+                                        fast_build, np.zeros(0, np.int64), None, None)
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
 
-        num_reqs = cm.num_reqs
+        # Under Model Runner V2 a FULL graph's batch is padded past the
+        # requests (req_idx): the padding rows are never compressed.
+        num_reqs = cm.num_reqs if cm.req_idx is None else min(cm.num_reqs,
+                                                              len(cm.req_idx))
         w = self.settings.window_size
         qsl = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
         q_lens = np.diff(qsl)
@@ -327,16 +386,27 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         seq_lens = seq_src[:num_reqs].cpu().numpy().astype(np.int64)
         context_lens = seq_lens - q_lens
         prompt_lens = self.prompt_lengths.get(cm, context_lens)
-        budgets = request_budget.WORKER_BUDGETS.for_rows(cm)
+        budgets = request_budget.WORKER_BUDGETS.for_rows(cm)[:num_reqs]
         plans = [self.plans(n, b) for n, b in zip(prompt_lens.tolist(), budgets)]
         compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
+        after = compress & (context_lens >= prompt_lens)  # wholly after the prompt
+        decode = after & (q_lens == 1)
+        if graph is not None:
+            rows = np.flatnonzero(decode)
+            # A prompt chunk (Stage 1 runs in Python) or a selection larger
+            # than the captured one: the runner hooks keep such a step off
+            # FULL graphs (decode_graphs.needs_eager), so it runs eagerly.
+            if not (compress & ~decode).any() and all(
+                    graph.takes(decode_graphs.num_select(plans[i].topk,
+                                                         self.settings.page_size))
+                    for i in rows.tolist()):
+                return self._graph_step(md, common_prefix_len, cm, native_cm,
+                                        fast_build, rows, seq_lens, plans)
         if not compress.any():
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
 
         block_table = cm.block_table_tensor
-        after = compress & (context_lens >= prompt_lens)  # wholly after the prompt
-        decode = after & (q_lens == 1)
         for i in np.flatnonzero(compress & ~decode).tolist():
             plan, n = plans[i], int(prompt_lens[i])
             q_start, q_end = int(qsl[i]), int(qsl[i + 1])
@@ -370,12 +440,55 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             lens = torch.from_numpy(q_lens[neutral]).to(cm.seq_lens.dtype)
             seq = cm.seq_lens.clone()
             seq[idx.to(seq.device)] = lens.to(seq.device, non_blocking=True)
-            upper = None
-            if cm.seq_lens_cpu_upper_bound is not None:
-                upper = cm.seq_lens_cpu_upper_bound.clone()
-                upper[idx] = lens
-            native_cm = native_cm.replace(seq_lens=seq, seq_lens_cpu_upper_bound=upper)
+            native_cm = native_cm.replace(
+                seq_lens=seq, seq_lens_cpu_upper_bound=self._upper_bound_with(
+                    cm, neutral, lens))
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
+        return md
+
+    @staticmethod
+    def _upper_bound_with(cm: CommonAttentionMetadata, rows: np.ndarray, lens):
+        if cm.seq_lens_cpu_upper_bound is None:
+            return None
+        upper = cm.seq_lens_cpu_upper_bound.clone()
+        upper[torch.from_numpy(rows)] = lens
+        return upper
+
+    def _graph_step(self, md: RocketKVMetadata, common_prefix_len: int,
+                    cm: CommonAttentionMetadata, native_cm, fast_build: bool,
+                    rows: np.ndarray, seq_lens: np.ndarray | None,
+                    plans: list[RequestPlan] | None) -> RocketKVMetadata:
+        """A one-token-per-row step laid out as its FULL graph was captured
+        (``decode_graphs``): Stage 2 over every batch row, compressed rows
+        ``rows`` active, all per-step values in the persistent buffers."""
+        batch = cm.num_reqs
+        columns = np.zeros((len(_HSA_COLUMNS), batch), dtype=np.int32)
+        if rows.size:
+            columns[:, rows] = self._columns(rows, rows, seq_lens[rows], plans)
+            stats.COUNTERS.decode_tokens_compressed += int(rows.size)
+        staging = torch.from_numpy(columns)
+        if self._pin:
+            staging = staging.pin_memory()
+        col = self._graph_columns[:, :batch]
+        col.copy_(staging, non_blocking=True)
+        c = dict(zip(_HSA_COLUMNS, col))
+        # The native call sees compressed rows with a one-token context.
+        native_seq = self._graph_native_seq_lens[:batch]
+        native_seq.copy_(cm.seq_lens[:batch])
+        native_seq.masked_fill_(c["seq_len"] > 0, 1)
+        native_cm = native_cm.replace(
+            seq_lens=native_seq,
+            seq_lens_cpu_upper_bound=self._upper_bound_with(cm, rows, 1))
+        md.native = self.native.build(common_prefix_len, native_cm, fast_build)
+        g = self.graph
+        md.decode = HsaRows(
+            tokens=self._graph_tokens[:batch],
+            block_table=cm.block_table_tensor[:batch],
+            num_compact=c["num_compact"], tail_start=c["tail_start"],
+            seq_lens=c["seq_len"], topk=c["topk"], topr=c["topr"],
+            num_select=c["num_select"], max_pages=g.max_pages,
+            max_select=g.max_select, pages=None, in_place=True,
+        )
         return md
 
     @staticmethod
@@ -385,30 +498,37 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             return int(cm.req_idx[i])
         return int(cm.block_table_tensor[i, 0])
 
+    def _columns(self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray,
+                 plans: list[RequestPlan]) -> np.ndarray:
+        """The Stage 2 columns (_HSA_COLUMNS) of these batch rows, int32."""
+        ps = self.settings.page_size
+        chosen = [plans[i] for i in rows]
+        topk = np.array([p.topk for p in chosen], dtype=np.int64)
+        columns = {
+            "row": rows, "token": tokens,
+            "num_compact": np.array([p.num_compact for p in chosen], dtype=np.int64),
+            "tail_start": np.array([p.tail_start for p in chosen], dtype=np.int64),
+            "seq_len": seq_lens, "topk": topk,
+            "topr": np.array([p.topr for p in chosen], dtype=np.int64),
+            "num_select": np.maximum(topk // ps, 1),
+        }
+        return np.stack([columns[name] for name in _HSA_COLUMNS]).astype(np.int32)
+
     def _hsa_rows(self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray,
                   plans: list[RequestPlan], block_table: torch.Tensor) -> HsaRows:
         """Stage 2 rows: batch rows, each one's token index in the step and
         seq_len including that token. One host-to-device copy."""
         s = self.settings
-        chosen = [plans[i] for i in rows]
-        num_compact = np.array([p.num_compact for p in chosen], dtype=np.int64)
-        tail_start = np.array([p.tail_start for p in chosen], dtype=np.int64)
-        topk = np.array([p.topk for p in chosen], dtype=np.int64)
-        columns = {
-            "row": rows, "token": tokens, "num_compact": num_compact,
-            "tail_start": tail_start, "seq_len": seq_lens, "topk": topk,
-            "topr": np.array([p.topr for p in chosen], dtype=np.int64),
-            "num_select": np.maximum(topk // s.page_size, 1),
-        }
-        staging = torch.from_numpy(np.stack([columns[name] for name in _HSA_COLUMNS])
-                                   .astype(np.int32))
+        columns = self._columns(rows, tokens, seq_lens, plans)
+        staging = torch.from_numpy(columns)
         if self._pin:
             staging = staging.pin_memory()
         col = staging.to(block_table.device, non_blocking=True)
-        view_pages = (-(-num_compact // s.page_size)
-                      - (-(seq_lens - tail_start) // s.page_size))
+        host = dict(zip(_HSA_COLUMNS, columns.astype(np.int64)))
+        view_pages = (-(-host["num_compact"] // s.page_size)
+                      - (-(host["seq_len"] - host["tail_start"]) // s.page_size))
         max_pages = int(view_pages.max())
-        max_select = int(columns["num_select"].max())
+        max_select = int(host["num_select"].max())
         if self.use_triton:
             # Fewer distinct launch shapes (kernel specializations).
             max_pages = pow2_at_least(max_pages)
@@ -550,6 +670,17 @@ class RocketKVImpl(AttentionImpl):
     def _hsa(self, rows: HsaRows, query, out, kv_cache, k_cache, v_cache,
              kt_cache) -> None:
         s = self.settings
+        if rows.in_place:  # FULL-graph layout (Triton only): rows are tokens
+            from rocketkv_vllm import triton_ops
+
+            batch = rows.tokens.shape[0]
+            triton_ops.hsa_decode_batch(
+                query[:batch], k_cache, v_cache, kt_cache, rows.block_table,
+                rows.num_compact, rows.tail_start, rows.seq_lens, rows.topk, rows.topr,
+                s.page_size, self.scale, rows.max_pages, rows.max_select,
+                s.force_current_page, out=out[:batch],
+            )
+            return
         q = query[rows.tokens]
         if self.use_triton:
             from rocketkv_vllm import triton_ops

@@ -66,6 +66,9 @@ class RocketKVConfig:
     kt_dtype: str = "auto"
     free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
     poison_evicted_blocks: bool = False  # tests: garbage-fill blocks before freeing
+    # tests: lay decode steps out as a FULL CUDA graph replays them
+    # (decode_graphs), also where vLLM captures none (CPU)
+    force_graph_layout: bool = False
     preset: str | None = None
 
 
@@ -163,7 +166,7 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     if ps is not None and ps & (ps - 1):
         _fail("page_size", ps, "a power of two in [1, 256] that divides block_size")
     for name in ("force_current_page", "evict", "free_evicted_blocks",
-                 "poison_evicted_blocks"):
+                 "poison_evicted_blocks", "force_graph_layout"):
         if not isinstance(merged.get(name, False), bool):
             _fail(name, merged[name], "true or false")
     if merged.get("kernel", "auto") not in KERNEL_CHOICES:
@@ -172,7 +175,7 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
         _fail("kt_dtype", merged["kt_dtype"], f"one of {list(KT_DTYPE_CHOICES)}")
     for name in ("prompt_budget", "window_size", "kernel_size", "topk",
                  "max_new_tokens", "force_current_page", "evict", "kernel", "kt_dtype",
-                 "free_evicted_blocks", "poison_evicted_blocks"):
+                 "free_evicted_blocks", "poison_evicted_blocks", "force_graph_layout"):
         if merged.get(name, 0) is None:
             _fail(name, None, "a value (null only for token_budget, page_size, topr)")
     return RocketKVConfig(**merged)
@@ -201,6 +204,7 @@ class RocketKVSettings:
     poison_evicted_blocks: bool
     evict: bool = True
     kt_dtype: str = "auto"
+    force_graph_layout: bool = False
 
     @property
     def min_prompt_budget(self) -> int:
@@ -264,6 +268,7 @@ def resolve_settings(
         poison_evicted_blocks=cfg.poison_evicted_blocks,
         evict=cfg.evict,
         kt_dtype=cfg.kt_dtype,
+        force_graph_layout=cfg.force_graph_layout,
     )
     if (cfg.evict and cfg.token_budget is None
             and cfg.prompt_budget < settings.min_prompt_budget):

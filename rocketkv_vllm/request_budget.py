@@ -155,12 +155,17 @@ def _hook_v2_runner(runner_cls) -> None:
     runner_cls.add_requests = add_requests
 
 
-def install_runner_hooks() -> None:
-    """Hook whichever of vLLM's model runners this process has loaded."""
-    for module_name, hook in (("vllm.v1.worker.gpu_model_runner", _hook_v1_runner),
-                              ("vllm.v1.worker.gpu.model_runner", _hook_v2_runner)):
+def hook_model_runners(hook_v1, hook_v2, marker: str) -> None:
+    """Apply a hook to whichever of vLLM's model runners (V1, Model Runner
+    V2) this process has loaded, once per runner class (``marker``)."""
+    for module_name, hook in (("vllm.v1.worker.gpu_model_runner", hook_v1),
+                              ("vllm.v1.worker.gpu.model_runner", hook_v2)):
         module = sys.modules.get(module_name)
         runner_cls = getattr(module, "GPUModelRunner", None)
-        if runner_cls is not None and not getattr(runner_cls, _HOOKED, False):
+        if runner_cls is not None and not getattr(runner_cls, marker, False):
             hook(runner_cls)
-            setattr(runner_cls, _HOOKED, True)
+            setattr(runner_cls, marker, True)
+
+
+def install_runner_hooks() -> None:
+    hook_model_runners(_hook_v1_runner, _hook_v2_runner, _HOOKED)

@@ -151,7 +151,8 @@ def hsa_decode_batch(
     (Python int) >= every row's max(topk // ps, 1) (with force_current_page
     the current page is selected on top of those: the buffers get
     max_select + 1 entries here). Rows with seq_lens <= 0
-    are padding: nothing is written for them and their output is 0.
+    are padding: nothing is written for them (a given ``out`` keeps its
+    values there; an allocated one holds 0).
     select_impl: "auto" (Triton select kernel up to 16384 max_pages, else
     torch.topk), "triton" or "torch".
     """

@@ -25,10 +25,12 @@ context + generated). Methods:
   (``config.parse_config`` -> ``resolve_settings(block 16, d 128,
   --max-model-len)`` -> ``plan_request(context)``), on the compressed view
   such a request has: ``num_compact`` kept tokens compacted onto its first
-  blocks, the tail from ``tail_start`` in place, the freed blocks null; the
-  backend's page counts (view pages = ceil(num_compact/ps) +
-  ceil((seq_len - tail_start)/ps), passed as max_pages) and max_select
-  (max_topk // ps). Per-kernel eager times of the four stages are added.
+  blocks, the tail from ``tail_start`` in place, the freed blocks null;
+  launched with the shapes of the backend's FULL decode graphs
+  (``decode_graphs.shape_for``: max_pages = max_model_len / ps + 1,
+  max_select = max_topk // ps; the kernels loop over each row's own view
+  pages = ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps)).
+  Per-kernel eager times of the four stages are added.
 
 The three dense methods read the same paged cache [num_blocks, Hkv, 16, 2d]
 (K|V per token, random block order; block 0 is vLLM's null block); RocketKV
@@ -43,9 +45,9 @@ a CUDA graph captured from that call. ``ms`` is the graph replay where the
 capture worked (``timing`` = "graph"), else the eager time (``timing`` =
 "eager", ``graph_error`` says why); ``ms_eager``, ``ms_graph`` and
 ``host_ms`` (median host time to launch the eager call) are kept. vLLM runs
-FLASH_ATTN / TRITON_ATTN decode inside full CUDA graphs; the ROCKETKV
-backend declares no CUDA graph support, so in the engine its decode attention
-currently runs eagerly (compare ``ms_eager``).
+FLASH_ATTN / TRITON_ATTN decode inside full CUDA graphs, and ROCKETKV's
+decode attention too (``decode_graphs``: one-token decode steps replay FULL
+graphs), so ``ms`` compares like with like.
 
 Bytes (``bytes``; ``gbps`` = bytes / ms; ``pct_copy`` = share of
 ``copy_gbps``, a device-to-device torch copy of ``--copy-mib`` counting read
@@ -87,7 +89,7 @@ try:  # config.py imports yaml (preset files); a bare GPU host may lack it
 except ImportError:  # pragma: no cover
     sys.modules["yaml"] = types.ModuleType("yaml")
 
-from rocketkv_vllm import paged, triton_ops  # noqa: E402
+from rocketkv_vllm import decode_graphs, paged, triton_ops  # noqa: E402
 from rocketkv_vllm.config import (  # noqa: E402
     max_topk,
     parse_config,
@@ -437,8 +439,9 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     if seq_len > mml:
         return None, f"{label}: seq_len {seq_len} > max_model_len {mml}"
     view_pages = cdiv(nc, ps) + cdiv(seq_len - ts, ps)
-    max_pages = view_pages  # the backend passes max(view pages) of the batch
-    max_select = max(max_topk(settings) // ps, 1)
+    # the launch shapes of the backend's FULL decode graphs
+    shape = decode_graphs.shape_for(settings, mml, batch)
+    max_pages, max_select = shape.max_pages, shape.max_select
     n_sel = min(max(plan.topk // ps, 1), view_pages, max_select)
     compact_blocks, tail_blocks = cdiv(nc, bs), cdiv(seq_len - ts, bs)
     view_blocks = compact_blocks + tail_blocks
@@ -489,7 +492,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     esize = kv.element_size()
     bytes_kt = batch * hkv * view_pages * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype)
     bytes_kv = batch * hkv * n_sel * ps * 2 * d * esize
-    bytes_scratch = (batch * hq * max_pages * 4 * 2        # logits: write + read
+    bytes_scratch = (batch * hq * view_pages * 4 * 2       # logits: write + read
                      + batch * hkv * max_pages * 4 * 2)    # probs: write + read
     bytes_kt_update = batch * hkv * (ps * d * esize
                                      + 2 * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype))

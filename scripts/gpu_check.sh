@@ -17,8 +17,9 @@
 #   install    vLLM from /tmp/stage (the recipe's install.sh, into /tmp/site)        ~1-2 min
 #   kernels    scripts/bench_kernels.py -> $OUT/kernels-h200.json                    ~2-4 min
 #   model      SmolLM2 rebuilt from the staged GGUF (scripts/gpu_model.py)            ~20 s
-#   e2e        scripts/gpu_e2e.py engines: FLASH_ATTN vs uncompressed ROCKETKV (greedy
-#              tokens), needle at token_budget 256 (bf16, fp8 KT) -> checks-h200.json ~4-5 min
+#   e2e        scripts/gpu_e2e.py engines: FLASH_ATTN vs uncompressed ROCKETKV (greedy tokens),
+#              needle at token_budget 256 (bf16, fp8 KT), full-graph decode == piecewise tokens
+#              -> checks-h200.json                                                   ~5-6 min
 #   serve      vllm serve MODEL --attention-backend ROCKETKV + one openai chat request ~1-2 min
 #   e2e-bench  scripts/bench_e2e.py dense vs ROCKETKV -> $OUT/e2e-h200.json           ~2-3 min
 # Our package is made importable without pip: /tmp/rkv-site holds rocketkv_vllm/ as symlinks
@@ -285,7 +286,7 @@ task_e2e() {
   if [ "$DRY" = 1 ]; then dry "${cmd[@]}"; "${cmd[@]:0:3}" --help > /dev/null &&
     record e2e dry "--help ok"; return; fi
   wait_gpu_idle
-  run_task e2e 150 360 "${cmd[@]}"
+  run_task e2e 150 420 "${cmd[@]}"
 }
 
 task_serve() {

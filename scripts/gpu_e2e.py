@@ -9,21 +9,29 @@ Runner V2, torch.compile + CUDA graphs, async scheduling); only the memory
 share (``--gpu-memory-utilization``, so engines started one after another
 fit) and ``max_model_len`` 8192 (SmolLM2's context) are set.
 
-``engines`` (one process, three engines one after another):
+``engines`` (one process, five engines one after another):
   1. FLASH_ATTN: 4 prompts (2 short chats, needle prompts of ~1500 and ~700
      tokens) x 32 greedy tokens with top-2 logprobs; 9 needle cases
      (2000/4000/7000 tokens x depth 0.1/0.5/0.9) x 16 tokens.
   2. ROCKETKV, prompt_budget 4096 (larger than every prompt, so nothing is
      compressed): the 4 prompts. PASS when the greedy tokens equal
      FLASH_ATTN's; a divergence only where FLASH_ATTN's top-2 logprobs are
-     within --tie-gap nats counts as PASS_NEAR_TIE (ROCKETKV engines run
-     without full CUDA graphs, so the native kernel may split differently);
-     anything else FAILs.
-  3. ROCKETKV, token_budget 256: the 9 needle cases. PASS when it finds at
-     least as many needles as FLASH_ATTN minus one (the CPU test's rule).
+     within --tie-gap nats counts as PASS_NEAR_TIE (a different attention
+     kernel, which may split and sum differently); anything else FAILs.
+  3. ROCKETKV, token_budget 256: the 9 needle cases (with top-2 logprobs, for
+     step 5). PASS when it finds at least as many needles as FLASH_ATTN minus
+     one (the CPU test's rule).
   4. The same with ``kt_dtype`` fp8_e4m3 (the Triton fp8 KT path in a real
      engine): needles found and how many outputs equal step 3's, reported
      (on CPU fp8 KT lost 2 of 12 single needles at this budget), never FAIL.
+  5. Step 3 again with ``compilation_config={"cudagraph_mode": "PIECEWISE"}``
+     (attention, all of ROCKETKV's Stage 2 included, runs eagerly), while
+     step 3 ran vLLM's default (FULL_AND_PIECEWISE: decode steps replay FULL
+     CUDA graphs with attention inside). PASS when the greedy tokens equal
+     step 3's, PASS_NEAR_TIE when they diverge only where step 3's top-2
+     logprobs are within --tie-gap nats, else FAIL (a full graph that gives
+     other tokens than eager is silent wrongness). Both engines' facts
+     (cudagraph_mode as the front end reads it) are recorded.
 ``serve``: ``vllm serve MODEL --attention-backend ROCKETKV`` (token budget
   256) and one ``openai`` client chat request ("What is the capital of
   France?", PASS if the answer says Paris) plus one long completion that is
@@ -105,13 +113,16 @@ def engine_facts(llm) -> dict:
     return facts
 
 
-def start_llm(args, backend: str, rocketkv: dict | None):
+def start_llm(args, backend: str, rocketkv: dict | None, extra: dict | None = None):
+    """Start an engine; ``extra`` holds more ``vllm.LLM`` keyword arguments."""
     from vllm import LLM
 
     kw = dict(model=args.model, attention_backend=backend, max_model_len=MAX_MODEL_LEN,
               gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
     if rocketkv is not None:
         kw["additional_config"] = {"rocketkv": rocketkv}
+    if extra:
+        kw.update(extra)
     log(f"LLM({kw})")
     t0 = time.time()
     llm = LLM(**kw)
@@ -217,7 +228,9 @@ def cmd_engines(args) -> int:
     merge_out(args.out, "engines", result)
 
     llm, facts = start_llm(args, "ROCKETKV", {"token_budget": 256})
-    ours_needle, facts["needle_generate_s"] = generate(llm, needle_prompts, 16)
+    # top-2 logprobs so step 5 can apply the tie rule (greedy tokens are unaffected)
+    ours_needle, facts["needle_generate_s"] = generate(llm, needle_prompts, 16, logprobs=2)
+    full_facts = facts
     stop_llm(llm)
     result["engines"]["ROCKETKV token_budget=256"] = facts
     dense_ok = [is_correct(r["text"], c) for r, c in zip(ref_needle, cases)]
@@ -249,6 +262,27 @@ def cmd_engines(args) -> int:
     }
     log(f"needle at token_budget 256 with fp8 KT: {sum(fp8_ok)}/9 "
         f"(bf16 KT {sum(our_ok)}/9)")
+    merge_out(args.out, "engines", result)
+
+    # 5. step 3's engine with attention eager (piecewise graphs only) vs step 3
+    # (vLLM's default: FULL CUDA graphs for uniform decode steps)
+    llm, facts = start_llm(args, "ROCKETKV", {"token_budget": 256},
+                           extra={"compilation_config": {"cudagraph_mode": "PIECEWISE"}})
+    pw_needle, facts["needle_generate_s"] = generate(llm, needle_prompts, 16, logprobs=2)
+    stop_llm(llm)
+    result["engines"]["ROCKETKV token_budget=256 cudagraph_mode=PIECEWISE"] = facts
+    graph = compare(ours_needle, pw_needle, args.tie_gap)
+    graph["reference"] = ("ROCKETKV token_budget=256 with vLLM's default cudagraph_mode "
+                          "(ref_text); rocketkv_text: the same with PIECEWISE")
+    graph["engine_facts"] = {"default": full_facts, "piecewise": facts}
+    graph["rocketkv_piecewise_found"] = sum(is_correct(r["text"], c)
+                                           for r, c in zip(pw_needle, cases))
+    graph["rocketkv_found"] = sum(our_ok)
+    result["rocketkv_full_graph_vs_piecewise"] = graph
+    log(f"ROCKETKV default ({full_facts.get('cudagraph_mode')}) vs PIECEWISE "
+        f"({facts.get('cudagraph_mode')}): {graph['status']} "
+        f"{[(r['common_prefix'], r['tokens']) for r in graph['prompts']]}")
+    failed |= graph["status"] == "FAIL"
     merge_out(args.out, "engines", result)
     return 1 if failed else 0
 

@@ -20,8 +20,7 @@ BS = 16
 HKV, G, D = 3, 3, 64
 
 
-@pytest.fixture(scope="module")
-def builder(model_path):
+def _make_builder(model_path, rocketkv: dict, max_model_len: int):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -32,14 +31,19 @@ def builder(model_path):
     plugin.register()
     cfg = EngineArgs(
         model=model_path, attention_backend="ROCKETKV", dtype="float32",
-        max_model_len=8192, enforce_eager=True,
-        additional_config={"rocketkv": {"token_budget": 256}},
+        max_model_len=max_model_len, enforce_eager=True,
+        additional_config={"rocketkv": rocketkv},
     ).create_engine_config()
     with set_current_vllm_config(cfg):
         spec = RocketKVBackend.customize_spec(FullAttentionSpec(
             block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32))
         return RocketKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg,
                                        torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def builder(model_path):
+    return _make_builder(model_path, {"token_budget": 256}, 8192)
 
 
 class Lens(torch.Tensor):
@@ -147,13 +151,12 @@ def test_v1_prompt_lengths_on_the_host(builder):
     assert md.decode.tokens.tolist() == [0]
 
 
-def test_decode_rows_drive_stage2_like_the_oracle(builder):
-    """The builder's decode rows through the CPU decode path (the C++ kernel
-    where it builds, else batched PyTorch) give the per-request oracle's
-    output."""
-    s = builder.settings
-    prompts = [3000, 1800, 700]
-    num_blocks = 1 + sum(-(-(n + 4) // BS) for n in prompts)
+def _compressed_requests(s, prompts: dict[int, int], table, gen):
+    """A CPU_ATTN-layout cache (NaN everywhere unwritten) holding, for each
+    batch row: prompt length in ``prompts``, the prompt compressed by the
+    oracle's Stage 1 plus one new token. Fills those rows of ``table``.
+    Returns (kv, k, v, kt)."""
+    num_blocks = 1 + sum(-(-(n + 4) // BS) for n in prompts.values())
     pages = BS // s.page_size
     block_elems = HKV * BS * 2 * D + HKV * pages * 2 * D
     storage = torch.full((num_blocks * block_elems,), float("nan"))
@@ -161,10 +164,8 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
                           (block_elems, BS * 2 * D, 2 * D, 1))
     k, v = paged.split_kv(kv, "cpu_vec")
     kt = paged.kt_cache_view(kv, s.page_size)
-    gen = torch.Generator().manual_seed(0)
-    table = torch.zeros(len(prompts), 512, dtype=torch.int32)
     first = 1
-    for i, n in enumerate(prompts):
+    for i, n in prompts.items():
         nb = -(-(n + 4) // BS)
         table[i, :nb] = torch.arange(first, first + nb)
         first += nb
@@ -178,6 +179,30 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
         q_win = torch.randn(s.window_size, HKV * G, D, generator=gen)
         paged.snapkv_compress(k, v, kt, row, q_win, n, plan.prompt_budget,
                               plan.tail_start, s.kernel_size, s.page_size, D**-0.5)
+    return kv, k, v, kt
+
+
+def _check_against_oracle(s, got, query, k, v, oracle_kt, table, prompts: dict[int, int]):
+    """Each row in ``prompts`` (row: prompt length) decoding its first new
+    token: the per-request oracle's Stage 2 output."""
+    for i, n in prompts.items():
+        plan = plan_request(s, n)
+        want = paged.hsa_decode(
+            query[i], k, v, oracle_kt, table[i].long(), plan.num_compact,
+            plan.tail_start, n + 1, plan.topk, plan.topr, s.page_size, D**-0.5,
+            s.force_current_page)
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_rows_drive_stage2_like_the_oracle(builder):
+    """The builder's decode rows through the CPU decode path (the C++ kernel
+    where it builds, else batched PyTorch) give the per-request oracle's
+    output."""
+    s = builder.settings
+    prompts = [3000, 1800, 700]
+    gen = torch.Generator().manual_seed(0)
+    table = torch.zeros(len(prompts), 512, dtype=torch.int32)
+    kv, k, v, kt = _compressed_requests(s, dict(enumerate(prompts)), table, gen)
     md = builder.build(0, _cm([(n, 1, n) for n in prompts], table, req_idx=[10, 11, 12]))
     rows = md.decode
     query = torch.randn(len(prompts), HKV * G, D, generator=gen)
@@ -194,13 +219,7 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
             query, k, v, kt, rows.block_table, rows.seq_lens, rows.pages, rows.topr,
             rows.num_select, rows.max_select, s.page_size, D**-0.5,
             s.force_current_page)
-    for i, n in enumerate(prompts):
-        plan = plan_request(s, n)
-        want = paged.hsa_decode(
-            query[i], k, v, oracle_kt, table[i].long(), plan.num_compact,
-            plan.tail_start, n + 1, plan.topk, plan.topr, s.page_size, D**-0.5,
-            s.force_current_page)
-        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+    _check_against_oracle(s, got, query, k, v, oracle_kt, table, dict(enumerate(prompts)))
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -300,4 +319,196 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
     finally:
         WORKER_BUDGETS.by_slot.clear()
         WORKER_BUDGETS.by_request.clear()
+        WORKER_BUDGETS.rows = []
+
+
+# --------------------------------------------------------------------------
+# FULL CUDA graphs for decode (decode_graphs): a graph replays the launch
+# and tensors of its capture; only build() runs for the step.
+
+
+@pytest.fixture(scope="module")
+def graph_builder(model_path):
+    """A builder that lays decode steps out for FULL graphs (forced here:
+    the CPU build captures none) with the Triton kernels."""
+    from rocketkv_vllm import decode_graphs
+
+    yield _make_builder(model_path, {"token_budget": 256, "kernel": "triton",
+                                     "force_graph_layout": True}, 4096)
+    decode_graphs.GUARD = None
+
+
+def _graph_tensors(rows):
+    return {name: getattr(rows, name) for name in (
+        "tokens", "block_table", "num_compact", "tail_start", "seq_lens", "topk", "topr")}
+
+
+def test_graph_step_replays_its_capture(graph_builder):
+    """Capture a 4-row decode batch (V2: no prompt lengths), then build a
+    real step padded to it (3 requests, one padding row) and run Stage 2
+    with the CAPTURE's metadata object, as the replayed graph does: the
+    compressed rows get the oracle's output, the others keep the native
+    output, and every tensor Stage 2 reads is the one captured."""
+    from rocketkv_vllm import triton_ops
+
+    b = graph_builder
+    s = b.settings
+    assert b.get_cudagraph_support(b.vllm_config, b.kv_cache_spec).name == "NEVER"  # CPU
+    table = torch.zeros(4, 512, dtype=torch.int32)
+    capture = b.build(0, _cm([(5, 1, 0)] * 4, table, prompt_lens=None))
+    assert b.graph is not None and capture.decode is not None
+    assert capture.decode.in_place and capture.decode.seq_lens.tolist() == [0] * 4
+    assert capture.decode.max_pages == b.graph.max_pages
+    assert b.graph.max_pages == -(-4096 // s.page_size) + 1
+    assert b.graph.max_select == max(256 // 2 // s.page_size, 1)
+
+    gen = torch.Generator().manual_seed(3)
+    _, k, v, kt = _compressed_requests(s, {0: 1800, 2: 700}, table, gen)
+    # rows: compressed, short (dense), compressed, V2 padding (no request)
+    cm = _cm([(1800, 1, 1800), (90, 1, 90), (700, 1, 700), (0, 1, 0)], table,
+             req_idx=[4, 9, 6])
+    cm.seq_lens[3] = 0
+    cm.seq_lens_cpu_upper_bound[3] = 0
+    step = b.build(0, cm)
+    assert step.decode.in_place
+    assert step.decode.seq_lens.tolist() == [1801, 0, 701, 0]
+    for name, t in _graph_tensors(step.decode).items():
+        assert t.data_ptr() == _graph_tensors(capture.decode)[name].data_ptr(), name
+    assert b._graph_native_seq_lens[:4].tolist() == [1, 91, 1, 0]
+
+    query = torch.randn(4, HKV * G, D, generator=gen)
+    native = torch.randn(4, HKV * G, D, generator=gen)  # the native backend's output
+    out = native.clone()
+    oracle_kt = kt.clone()
+    rows = capture.decode  # what the graph was captured with
+    triton_ops.hsa_decode_batch(
+        query[: rows.tokens.shape[0]], k, v, kt, rows.block_table, rows.num_compact,
+        rows.tail_start, rows.seq_lens, rows.topk, rows.topr, s.page_size, D**-0.5,
+        rows.max_pages, rows.max_select, s.force_current_page, out=out)
+    _check_against_oracle(s, out, query, k, v, oracle_kt, table, {0: 1800, 2: 700})
+    assert torch.equal(out[1], native[1]) and torch.equal(out[3], native[3])
+
+
+def test_graph_layout_leaves_prompt_steps_and_large_selections_eager(graph_builder):
+    """What a graph cannot run stays in the ordinary layout, and the runner
+    hooks keep vLLM from replaying a graph for it: a one-token prompt chunk
+    (here the prompt's last token: Stage 1) and a request whose own budget
+    selects more pages than the graph holds."""
+    from rocketkv_vllm import decode_graphs
+    from rocketkv_vllm.request_budget import WORKER_BUDGETS
+
+    b = graph_builder
+    s = b.settings
+    table = _block_table(2)
+    b.build(0, _cm([(5, 1, 0)] * 2, table, prompt_lens=None))  # sets the guard
+    md = b.build(0, _cm([(3000, 1, 3000), (2999, 1, 3000)], table, req_idx=[1, 2]))
+    assert len(md.stage1_rows) == 1 and not md.decode.in_place
+    assert decode_graphs.needs_eager(np.array([False, True]), [None, None])
+
+    big = 8 * 256  # selects 4x the pages of the engine's budget
+    try:
+        WORKER_BUDGETS.by_slot.update({1: big, 2: None})
+        md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
+    finally:
+        WORKER_BUDGETS.by_slot.clear()
+    assert not md.decode.in_place
+    assert md.decode.topk.tolist() == [plan_request(s, 3000, big).topk,
+                                       plan_request(s, 3000).topk]
+    assert decode_graphs.needs_eager(np.array([False, False]), [big, None])
+    assert not decode_graphs.needs_eager(np.array([False, False]), [256, 0, None])
+    md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
+    assert md.decode.in_place
+
+
+def test_graph_hooks_wrap_the_runners_dispatch_inputs():
+    """The hooks wrap the two vLLM internals that decide whether a step is a
+    uniform decode (checked by signature and by the fields they use)."""
+    import inspect
+
+    import vllm.v1.worker.gpu.model_runner as v2
+    import vllm.v1.worker.gpu_model_runner as v1
+
+    from rocketkv_vllm import decode_graphs
+
+    decode_graphs.install_hooks()
+    wrapped = v1.GPUModelRunner._determine_batch_execution_and_padding
+    params = list(inspect.signature(wrapped.__wrapped__).parameters)
+    assert params[:5] == ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
+                          "max_num_scheduled_tokens"]
+    assert "force_uniform_decode" in params
+    wrapped = v2.GPUModelRunner.gather_batch_req_state
+    assert list(inspect.signature(wrapped.__wrapped__).parameters) == [
+        "self", "scheduler_output", "dummy_run"]
+    assert {"is_prefilling_np", "idx_mapping_np", "decode_graph_eligible"} <= set(
+        v2.BatchReqState._fields)
+
+
+def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
+    """The hooks' effect on stand-ins with the wrapped methods' signatures:
+    with a graph shape in force, a one-token step holding a prompt chunk or
+    a request with a larger budget than the graph holds is not a uniform
+    decode (vLLM then runs it piecewise); otherwise nothing changes."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from rocketkv_vllm import decode_graphs
+    from rocketkv_vllm.request_budget import WORKER_BUDGETS
+
+    class V1Runner:
+        def __init__(self, computed, prompts):
+            self.input_batch = SimpleNamespace(
+                num_computed_tokens_cpu=np.array(computed),
+                num_prompt_tokens=np.array(prompts))
+
+        def _determine_batch_execution_and_padding(
+                self, num_tokens, num_reqs, num_scheduled_tokens_np,
+                max_num_scheduled_tokens, use_cascade_attn=False,
+                force_uniform_decode=None):
+            return force_uniform_decode
+
+    State = namedtuple("State", "idx_mapping_np is_prefilling_np decode_graph_eligible")
+
+    class V2Runner:
+        def __init__(self, state):
+            self.state = state
+
+        def gather_batch_req_state(self, scheduler_output, dummy_run):
+            return self.state, 1
+
+    decode_graphs._hook_v1_runner(V1Runner)
+    decode_graphs._hook_v2_runner(V2Runner)
+
+    def v1(computed, prompts, max_q=1):
+        return V1Runner(computed, prompts)._determine_batch_execution_and_padding(
+            num_tokens=len(computed), num_reqs=len(computed),
+            num_scheduled_tokens_np=np.ones(len(computed), dtype=np.int32),
+            max_num_scheduled_tokens=max_q)
+
+    def v2(prefilling, slots=(0, 1)):
+        state = State(np.array(slots), np.array(prefilling), True)
+        return V2Runner(state).gather_batch_req_state(None, False)
+
+    settings = SimpleNamespace(page_size=4)
+    saved = decode_graphs.GUARD
+    try:
+        decode_graphs.GUARD = None
+        assert v1([10, 99], [10, 100]) is None  # no graph shape: untouched
+        decode_graphs.GUARD = decode_graphs._Guard(
+            decode_graphs.DecodeGraphShape(rows=8, max_pages=1025, max_select=32),
+            settings.page_size)
+        assert v1([10, 50], [10, 40]) is None  # decodes only
+        assert v1([10, 99], [10, 100]) is False  # the prompt's last token
+        assert v1([10, 99], [10, 100], max_q=2) is None  # not a decode step anyway
+        state, count = v2([False, False])
+        assert count == 1 and state.decode_graph_eligible is True
+        state, count = v2([False, True])
+        assert count is None and state.decode_graph_eligible is False
+        WORKER_BUDGETS.by_slot.update({0: 4 * 2 * 32, 1: None})  # 32 pages: fits
+        WORKER_BUDGETS.rows = [4 * 2 * 32, None]
+        assert v2([False, False])[1] == 1 and v1([10, 50], [10, 40]) is None
+        WORKER_BUDGETS.by_slot[0] = WORKER_BUDGETS.rows[0] = 4 * 2 * 33  # 33 pages
+        assert v2([False, False])[1] is None and v1([10, 50], [10, 40]) is False
+    finally:
+        decode_graphs.GUARD = saved
+        WORKER_BUDGETS.by_slot.clear()
         WORKER_BUDGETS.rows = []

@@ -214,16 +214,25 @@ def test_chunked_prefill_gives_the_same_output(model_path, tokenizer):
         assert list(a) == list(b)
 
 
-@pytest.mark.parametrize("kt_dtype", ["auto", "fp8_e4m3"])
-def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtype):
+@pytest.mark.parametrize("kt_dtype,graph_layout", [("auto", True), ("fp8_e4m3", False)])
+def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtype,
+                                                  graph_layout, capfd):
     """The Triton kernels (interpreted on CPU) inside the engine: same tokens
-    as the PyTorch path, with compression, a mixed batch and a dense row."""
+    as the PyTorch path, with compression, a mixed batch and a dense row.
+    With ``force_graph_layout`` every decode step of both rows is laid out
+    as a FULL CUDA graph replays it (decode_graphs): Stage 2 over both rows
+    with launch shapes from max_model_len, the dense row left to the native
+    backend, written in place."""
     prompts = [build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
                _chat(tokenizer, "Name three colours.")]
     cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
     torch_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="torch"), prompts, 5)
-    triton_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="triton"), prompts, 5)
+    triton_ids, _ = _rocketkv_tokens(
+        model_path, dict(cfg, kernel="triton", force_graph_layout=graph_layout),
+        prompts, 5)
     assert triton_ids == torch_ids
+    logged = "decode steps replay FULL CUDA graphs" in "".join(capfd.readouterr())
+    assert logged == graph_layout
 
 
 def _rocketkv_tokens(model_path, cfg, prompts, max_tokens):

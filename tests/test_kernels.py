@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -39,6 +40,8 @@ except ImportError:  # plain `python tests/test_kernels.py` on a bare GPU host
     pytest = None
 
 from rocketkv_vllm import paged, triton_ops  # noqa: E402
+from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
+from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.algorithm import (  # noqa: E402
     pool_scores,
     sparse_attention,
@@ -704,6 +707,46 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
             got, _ = _view_rows(c, rows[b], nc, ts, seqs[b])
             want, _ = _view_rows(clean, rows[b], nc, ts, seqs[b])
             assert torch.equal(got, want)
+
+
+@parametrize("hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,sms", [
+    (2, 4, 64, 16, 4, BF16, True, "token", AUTO, 2),
+    (2, 3, 64, 16, 2, F32, False, "split", FP8, 64),
+])
+def test_hsa_decode_batch_at_cuda_graph_shapes(hkv, g, d, bs, ps, dtype, force, layout,
+                                               kt_dtype, sms):
+    """The launch a FULL CUDA graph of the backend captures: max_pages and
+    max_select far above every row's (fixed for any replay), rows that are
+    not compressed marked seq_len 0, output written in place. Those rows
+    keep what ``out`` held; the others match the reference (the kernels
+    spread each row's own pages over the splits)."""
+    specs = [(37, 96, 150), (0, 0, 0), (13, 32, 33), (40, 128, 140), (0, 0, 0)]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=3, poison=False,
+                            layout=layout, kt_dtype=kt_dtype)
+    seqs = [s[2] + 1 if s[2] else 0 for s in specs]
+    gen = torch.Generator().manual_seed(9)
+    for b, (nc, ts, seq) in enumerate(specs):
+        if seq:
+            c.fill(rows[b], seq, seq + 1, gen)
+    topk = [4 * ps, ps, 100 * ps, 3 * ps, ps]
+    topr = [d, 16, 7, d // 2, 16]
+    q = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
+    args = (_table(rows), *(_ints([s[i] for s in specs]) for i in (0, 1)),
+            _ints(seqs), _ints(topk), _ints(topr), ps, d**-0.5)
+    ref = triton_ops.hsa_decode_batch_reference(q, c.k, c.v, c.kt, *args,
+                                                force_current_page=force)
+    graph_pages = 40 * 64 // ps  # the backend's max_model_len / page_size + 2
+    out = torch.full_like(q, 7.0)
+    # sms 64: many splits (scoring and attention), most with nothing to do
+    with mock.patch.object(hsa_score_module, "num_sms", lambda device: sms), \
+            mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms):
+        triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, graph_pages, graph_pages,
+                                    force, out=out, update_kt=False)
+    for b, seq in enumerate(seqs):
+        if seq:
+            _close(out[b], ref[b], dtype, f"row {b}")
+        else:
+            assert bool((out[b] == 7.0).all()), f"padding row {b} was written"
 
 
 def test_hsa_decode_batch_cuda_graph():
