@@ -776,6 +776,64 @@ def test_hsa_decode_batch_cuda_graph():
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
+def test_hsa_decode_batch_cuda_graph_replays_new_rows():
+    """The backend's FULL decode graph (decode_graphs): captured with every
+    row inactive (seq_len 0) at launch shapes for a long max_model_len,
+    then replayed after the per-row columns are rewritten in place, twice,
+    with different rows active: active rows match the reference (KT update
+    included), inactive rows keep what ``out`` held."""
+    if DEVICE.type != "cuda":
+        skip("needs CUDA")
+    hkv, g, d, bs, ps, dtype = 2, 4, 128, 16, 4, BF16
+    specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33), (40, 128, 140)]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=2, poison=False)
+    gen = torch.Generator().manual_seed(4)
+    for b, (nc, ts, seq) in enumerate(specs):
+        c.fill(rows[b], seq, seq + 1, gen)  # each row's new token
+    q = torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype)
+    table = _table(rows)
+    cols = {name: _ints([0] * len(specs)) for name in ("nc", "ts", "seq", "topk", "topr")}
+    graph_pages, graph_select = 32768 // ps + 1, 64  # max_model_len 32k
+
+    def call(out):
+        return triton_ops.hsa_decode_batch(
+            q, c.k, c.v, c.kt, table, cols["nc"], cols["ts"], cols["seq"], cols["topk"],
+            cols["topr"], ps, d**-0.5, graph_pages, graph_select, True, out=out)
+
+    out = torch.zeros_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside capture
+        call(out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    for active in ([0, 2], [1, 3]):
+        values = {"nc": [], "ts": [], "seq": [], "topk": [], "topr": []}
+        for b, (nc, ts, seq) in enumerate(specs):
+            on = b in active
+            values["nc"].append(nc if on else 0)
+            values["ts"].append(ts if on else 0)
+            values["seq"].append(seq + 1 if on else 0)
+            values["topk"].append(8 * ps if on else 0)
+            values["topr"].append(32 if on else 0)
+        for name, v in values.items():
+            cols[name].copy_(_ints(v))
+        clean = c.clone()
+        ref = triton_ops.hsa_decode_batch_reference(
+            q, clean.k, clean.v, clean.kt, table, cols["nc"], cols["ts"], cols["seq"],
+            cols["topk"], cols["topr"], ps, d**-0.5, force_current_page=True)
+        out.fill_(7.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        for b in range(len(specs)):
+            if b in active:
+                _close(out[b], ref[b], dtype, f"row {b}")
+            else:
+                assert bool((out[b] == 7.0).all()), f"inactive row {b} was written"
+
+
 # --------------------------------------------------------------------------
 # Minimal runner for hosts without pytest.
 
