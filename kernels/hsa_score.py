@@ -42,8 +42,8 @@ Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
    per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel``
    grid (B*Hkv) -- a bisection on the fp32 bit patterns finds the n_use-th
    largest probability, then a cumsum packs the winners (ties: lowest page
-   index) -- or ``torch.topk(sorted=True)`` (its first n_use entries) for
-   rows longer than the kernel's limit.
+   index); rows longer than SELECT_BLOCK_PAGES are read in chunks. (Or
+   ``torch.topk(sorted=True)``, its first n_use entries, on request.)
 """
 
 from __future__ import annotations
@@ -302,10 +302,40 @@ def hsa_page_probs(
 
 
 @triton.jit
+def _count_chunks(row_ptr, row_pages, thr, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of the row's pages from BLOCK on have bit pattern > thr
+    (STRICT) or >= thr."""
+    cnt = thr * 0
+    for p0 in range(BLOCK, row_pages, BLOCK):
+        j = p0 + tl.arange(0, BLOCK)
+        bits = tl.load(row_ptr + j, mask=j < row_pages, other=-1.0).to(tl.int32,
+                                                                         bitcast=True)
+        if STRICT:
+            hit = bits > thr
+        else:
+            hit = bits >= thr
+        cnt += tl.sum(hit.to(tl.int32), 0)
+    return cnt
+
+
+@triton.jit
+def _take_chunk(bits, j, thr, room, base, eq_seen, sel_row):
+    """Store the chunk's winners at sel_row[base + ...]; returns the new
+    (base, eq_seen)."""
+    greater = bits > thr
+    equal = bits == thr
+    eq_rank = eq_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
+    take = greater | (equal & (eq_rank < room))
+    pos = base + tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(sel_row + pos, j, mask=take)
+    return base + tl.sum(take.to(tl.int32), 0), eq_seen + tl.sum(equal.to(tl.int32), 0)
+
+
+@triton.jit
 def _select_pages_kernel(
     probs_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
     num_kv_heads, max_pages, num_sel, extra,
-    PS: tl.constexpr, P_PAD: tl.constexpr,
+    PS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Row (b, h): write the indices of its n_use highest probabilities
     (ascending page order) to sel[b, h, :n_use]; the rest is left as is.
@@ -313,35 +343,38 @@ def _select_pages_kernel(
     Threshold search instead of a sort: probabilities are >= 0 floats, so
     their int32 bit patterns order like the values; 31 bisection steps find
     the largest pattern T with count(bits >= T) >= n_use, then everything
-    above T and the lowest-index ties at T are taken (exactly n_use)."""
+    above T and the lowest-index ties at T are taken (exactly n_use). The
+    row's first BLOCK pages stay in registers; longer rows are read again
+    in chunks of BLOCK each step, so the work follows the row's own page
+    count whatever max_pages is."""
     bh = tl.program_id(0)
     b = bh // num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
     n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1) + extra
     n_use = tl.minimum(tl.minimum(n_want, num_pages), num_sel)
-    j = tl.arange(0, P_PAD)
-    # pages past the row's view hold -1.0 (a negative bit pattern), as does
-    # the padding past max_pages: neither can reach a threshold >= 0
-    x = tl.load(probs_ptr + bh.to(tl.int64) * max_pages + j,
-                mask=j < tl.minimum(num_pages, max_pages), other=-1.0)
-    bits = x.to(tl.int32, bitcast=True)
+    row = probs_ptr + bh.to(tl.int64) * max_pages
+    row_pages = tl.minimum(num_pages, max_pages)
+    j = tl.arange(0, BLOCK)
+    # masked lanes read -1.0 (a negative bit pattern): never at a threshold >= 0
+    bits = tl.load(row + j, mask=j < row_pages, other=-1.0).to(tl.int32, bitcast=True)
     thr = n_use * 0  # int32 scalar
     for k in tl.static_range(31):
         cand = thr | (1 << (30 - k))
-        cnt = tl.sum((bits >= cand).to(tl.int32), 0)
+        cnt = tl.sum((bits >= cand).to(tl.int32), 0) + _count_chunks(
+            row, row_pages, cand, False, BLOCK)
         thr = tl.where(cnt >= n_use, cand, thr)
-    greater = bits > thr
-    equal = bits == thr
-    room = n_use - tl.sum(greater.to(tl.int32), 0)
-    eq_rank = tl.cumsum(equal.to(tl.int32), 0) - 1
-    take = greater | (equal & (eq_rank < room))
-    pos = tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(sel_ptr + bh.to(tl.int64) * num_sel + pos, j, mask=take)
+    room = n_use - tl.sum((bits > thr).to(tl.int32), 0) - _count_chunks(
+        row, row_pages, thr, True, BLOCK)
+    sel_row = sel_ptr + bh.to(tl.int64) * num_sel
+    base, eq_seen = _take_chunk(bits, j, thr, room, thr * 0, thr * 0, sel_row)
+    for p0 in range(BLOCK, row_pages, BLOCK):
+        jc = p0 + tl.arange(0, BLOCK)
+        bc = tl.load(row + jc, mask=jc < row_pages, other=-1.0).to(tl.int32, bitcast=True)
+        base, eq_seen = _take_chunk(bc, jc, thr, room, base, eq_seen, sel_row)
 
 
-# Rows longer than this go through torch.topk (the kernel keeps a row in
-# registers: 32 values per thread at 16 warps; 32768 would spill on sm_90).
-MAX_TRITON_SELECT_PAGES = 16384
+# Pages of a row the select kernel keeps in registers (longer rows: chunks).
+SELECT_BLOCK_PAGES = 4096
 
 
 def select_pages(
@@ -364,29 +397,28 @@ def select_pages(
 
     impl "torch": torch.topk(sorted=True) (best first); "triton": the
     threshold-select kernel (needs the per-row tensors; pages in ascending
-    order); "auto": triton when the row tensors are given and max_pages <=
-    MAX_TRITON_SELECT_PAGES.
+    order); "auto": triton when the row tensors are given.
     """
     max_pages = probs.shape[-1]
     extra = 1 if force_current_page else 0
     k = max(1, min(int(max_select) + extra, max_pages))
     have_rows = topk is not None
     if impl == "auto":
-        impl = "triton" if have_rows and max_pages <= MAX_TRITON_SELECT_PAGES else "torch"
+        impl = "triton" if have_rows else "torch"
     if impl == "torch":
         return torch.topk(probs, k, dim=-1, sorted=True).indices
     assert impl == "triton" and have_rows and page_size is not None
-    assert max_pages <= MAX_TRITON_SELECT_PAGES and probs.is_contiguous()
+    assert probs.is_contiguous()
     batch, hkv, _ = probs.shape
     num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start,
                                                           seq_lens, topk)
     sel = torch.empty(batch, hkv, k, device=probs.device, dtype=torch.int32)
     if batch == 0:
         return sel
-    p_pad = max(16, next_pow2(max_pages))
+    block = min(max(16, next_pow2(max_pages)), SELECT_BLOCK_PAGES)
     _select_pages_kernel[(batch * hkv,)](
         probs, sel, num_compact, tail_start, seq_lens, topk, hkv, max_pages, k, extra,
-        PS=page_size, P_PAD=p_pad, num_warps=4 if p_pad <= 2048 else (8 if p_pad <= 8192 else 16),
+        PS=page_size, BLOCK=block, num_warps=4 if block <= 2048 else 8,
     )
     return sel
 

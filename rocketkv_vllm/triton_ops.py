@@ -13,8 +13,8 @@ CPU_ATTN; ``paged.split_kv`` makes them from a vLLM cache), the KT cache as
     2. ``_page_logits_kernel``  Triton, grid (B*Hkv, S1)     (+ 3 torch.empty scratch allocs)
     3. ``_page_probs_kernel``   Triton, grid (B*Hkv, S1)
     4. ``_select_pages_kernel`` Triton, grid (B*Hkv)         (+ 1 alloc)
-       [torch.topk(probs, min(max_select + f, max_pages)) if max_pages > 16384;
-        f = 1 with force_current_page: the current page is an extra page]
+       [f = 1 with force_current_page: the current page is an extra page,
+        selected on top of min(max_select, max_pages)]
     5. ``_sparse_decode_kernel`` Triton, grid (B*Hkv, S2)    (+ 2 scratch allocs if S2 > 1)
     6. ``_merge_splits_kernel`` Triton, grid (B*Hq)          [only if S2 > 1]
   S1, S2: split counts from B, Hkv, max_pages / max_select and the SM count.
@@ -153,8 +153,8 @@ def hsa_decode_batch(
     max_select + 1 entries here). Rows with seq_lens <= 0
     are padding: nothing is written for them (a given ``out`` keeps its
     values there; an allocated one holds 0).
-    select_impl: "auto" (Triton select kernel up to 16384 max_pages, else
-    torch.topk), "triton" or "torch".
+    select_impl: "auto" / "triton" (the Triton select kernel) or "torch"
+    (torch.topk).
     """
     if update_kt:
         kt_update(k_cache, kt_cache, block_table, seq_lens, page_size)

@@ -512,8 +512,10 @@ def test_select_pages_with_ties(impl):
     """Plateaus of equal probabilities: exactly n_use distinct top pages."""
     gen = torch.Generator().manual_seed(0)
     ps, hkv = 4, 3
+    # the last two: ~12k and ~20k pages (3 and 5 chunks of the select kernel;
+    # torch.topk took rows past 16,384 pages before it read rows in chunks)
     specs = [(40, 64, 100), (0, 0, 0), (8, 16, 17), (400, 512, 600),
-             (4000, 4096, 48000)]  # the last: ~12k pages (P_PAD 16384, the widest)
+             (4000, 4096, 48000), (4000, 4096, 80000)]
     num_pages = [paged.view_page_starts(*s, ps, "cpu").numel() if s[2] else 0
                  for s in specs]
     max_pages = max(num_pages) + 3
@@ -521,7 +523,7 @@ def test_select_pages_with_ties(impl):
     for b, n in enumerate(num_pages):
         levels = torch.tensor([0.0, 1e-3, 0.25, 0.5, 2.0])
         probs[b, :, :n] = levels[torch.randint(0, 5, (hkv, n), generator=gen)]
-    topk = [12 * ps, ps, 7 * ps, 64 * ps, 50 * ps]
+    topk = [12 * ps, ps, 7 * ps, 64 * ps, 50 * ps, 60 * ps]
     args = [_ints([s[i] for s in specs]) for i in range(3)]
     sel = select_pages(probs.to(DEVICE), 64, *args, _ints(topk), ps, impl).cpu()
     for b, n in enumerate(num_pages):
@@ -529,6 +531,26 @@ def test_select_pages_with_ties(impl):
         for h in range(hkv):
             if n_use:
                 _check_selection(sel[b, h, :n_use], probs[b, h, :n], n, tol=0.0)
+
+
+def test_select_pages_across_chunks():
+    """A ~20k-page row (5 chunks of the select kernel) whose winners and
+    threshold ties are spread over all chunks: exactly the 40 pages above
+    the threshold and the 15 lowest-index pages at it."""
+    gen = torch.Generator().manual_seed(1)
+    ps, spec = 4, (4000, 4096, 80000)
+    n = paged.view_page_starts(*spec, ps, "cpu").numel()
+    probs = torch.full((1, 1, n), 1e-3)
+    picks = torch.randperm(n, generator=gen)[:70]
+    high, ties = picks[:40], picks[40:].sort().values
+    probs[0, 0, high] = 0.5
+    probs[0, 0, ties] = 0.25
+    assert int(high.max()) > 4 * 4096 and int(ties.max()) > 3 * 4096
+    args = [_ints([v]) for v in spec]
+    sel = select_pages(probs.to(DEVICE), 55, *args, _ints([55 * ps]), ps, "triton").cpu()
+    want = set(high.tolist()) | set(ties[:15].tolist())
+    assert set(sel[0, 0, :55].tolist()) == want
+    assert sel[0, 0, :55].tolist() == sorted(want)  # ascending page order
 
 
 def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
