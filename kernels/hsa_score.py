@@ -27,8 +27,8 @@ j * ps, the others at tail_start + (j - npc) * ps; P = npc +
 ceil((seq_len - tail_start) / ps).
 
 Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
-1. ``_page_logits_kernel`` grid (B*Hkv, S) (S = max_pages / CHUNK, CHUNK
-   <= 512 from max_pages, B, Hkv and the SM count: a Python-int choice):
+1. ``_page_logits_kernel`` grid (B*Hkv, S) (S from B, Hkv and the SM
+   count, about 4 programs per SM; CHUNK = max_pages / S: Python ints):
    the row's own P pages are spread over the S splits in whole tiles of
    BLOCK_P (so the work follows P, not max_pages, when a CUDA graph fixes
    max_pages at its largest), one [G_pad, d] x [d, BLOCK_P] fp32 dot per
@@ -261,9 +261,11 @@ def hsa_page_probs(
     max_pages = int(max_pages)
     block_p = 64 if d <= 64 else 32
     if chunk is None:
-        # about 4 programs per SM, chunks of 1..8 tiles of BLOCK_P pages
-        splits_wanted = cdiv(4 * num_sms(query.device), max(1, batch * hkv))
-        chunk = min(512, cdiv(max_pages, splits_wanted))
+        # about 4 programs per SM, however large max_pages is (a FULL CUDA
+        # graph's): the kernel spreads each row's own pages over the splits
+        splits = min(cdiv(4 * num_sms(query.device), max(1, batch * hkv)),
+                     cdiv(max_pages, block_p))
+        chunk = cdiv(max_pages, splits)
     chunk = max(block_p, cdiv(chunk, block_p) * block_p)
     num_splits = cdiv(max_pages, chunk)
     g_pad = group_pad(group)
