@@ -145,8 +145,9 @@ def _page_logits_kernel(
         q3 = (rem - q2.to(tl.float32)).to(HALF)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    # The row's own pages spread over the splits, whole tiles each (the grid
-    # is fixed by max_pages; under a CUDA graph that is the largest view).
+    # The row's own pages spread over the splits, whole tiles each (the
+    # split count is fixed at launch; under a CUDA graph max_pages is the
+    # largest view, far above most rows').
     # (a row with more pages than max_pages is a caller error: its pages
     # past max_pages are ignored rather than written out of bounds)
     row_pages = tl.minimum(num_pages, max_pages)
@@ -304,14 +305,19 @@ def hsa_page_probs(
 
 
 @triton.jit
+def _load_bits(row_ptr, j, row_pages):
+    """fp32 bit patterns of the row's probabilities at pages j; pages past
+    the row read -1.0 (a negative pattern): never at a threshold >= 0."""
+    return tl.load(row_ptr + j, mask=j < row_pages, other=-1.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _count_chunks(row_ptr, row_pages, thr, STRICT: tl.constexpr, BLOCK: tl.constexpr):
     """How many of the row's pages from BLOCK on have bit pattern > thr
     (STRICT) or >= thr."""
     cnt = thr * 0
     for p0 in range(BLOCK, row_pages, BLOCK):
-        j = p0 + tl.arange(0, BLOCK)
-        bits = tl.load(row_ptr + j, mask=j < row_pages, other=-1.0).to(tl.int32,
-                                                                         bitcast=True)
+        bits = _load_bits(row_ptr, p0 + tl.arange(0, BLOCK), row_pages)
         if STRICT:
             hit = bits > thr
         else:
@@ -357,8 +363,7 @@ def _select_pages_kernel(
     row = probs_ptr + bh.to(tl.int64) * max_pages
     row_pages = tl.minimum(num_pages, max_pages)
     j = tl.arange(0, BLOCK)
-    # masked lanes read -1.0 (a negative bit pattern): never at a threshold >= 0
-    bits = tl.load(row + j, mask=j < row_pages, other=-1.0).to(tl.int32, bitcast=True)
+    bits = _load_bits(row, j, row_pages)
     thr = n_use * 0  # int32 scalar
     for k in tl.static_range(31):
         cand = thr | (1 << (30 - k))
@@ -371,8 +376,8 @@ def _select_pages_kernel(
     base, eq_seen = _take_chunk(bits, j, thr, room, thr * 0, thr * 0, sel_row)
     for p0 in range(BLOCK, row_pages, BLOCK):
         jc = p0 + tl.arange(0, BLOCK)
-        bc = tl.load(row + jc, mask=jc < row_pages, other=-1.0).to(tl.int32, bitcast=True)
-        base, eq_seen = _take_chunk(bc, jc, thr, room, base, eq_seen, sel_row)
+        base, eq_seen = _take_chunk(_load_bits(row, jc, row_pages), jc, thr, room,
+                                    base, eq_seen, sel_row)
 
 
 # Pages of a row the select kernel keeps in registers (longer rows: chunks).

@@ -369,8 +369,9 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         if cm.rswa_prefix_lens is None or cm.num_reqs == 0:
             # Dummy / capture batches carry no prompt lengths: all dense.
             if graph is not None:
-                return self._graph_step(md, common_prefix_len, cm, native_cm,
-                                        fast_build, np.zeros(0, np.int64), None, None)
+                return self._graph_step(md, common_prefix_len, cm, native_cm, fast_build,
+                                        np.zeros(0, np.int64),
+                                        np.zeros((len(_HSA_COLUMNS), 0), np.int32))
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
 
@@ -391,17 +392,15 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
         after = compress & (context_lens >= prompt_lens)  # wholly after the prompt
         decode = after & (q_lens == 1)
-        if graph is not None:
+        if graph is not None and not (compress & ~decode).any():
+            # (A prompt chunk, where Stage 1 runs in Python, or a selection
+            # larger than the captured one: the runner hooks keep such a step
+            # off FULL graphs (decode_graphs.needs_eager); it runs eagerly.)
             rows = np.flatnonzero(decode)
-            # A prompt chunk (Stage 1 runs in Python) or a selection larger
-            # than the captured one: the runner hooks keep such a step off
-            # FULL graphs (decode_graphs.needs_eager), so it runs eagerly.
-            if not (compress & ~decode).any() and all(
-                    graph.takes(decode_graphs.num_select(plans[i].topk,
-                                                         self.settings.page_size))
-                    for i in rows.tolist()):
+            columns = self._columns(rows, rows, seq_lens[rows], plans)
+            if not rows.size or graph.takes(int(columns[_NUM_SELECT].max())):
                 return self._graph_step(md, common_prefix_len, cm, native_cm,
-                                        fast_build, rows, seq_lens, plans)
+                                        fast_build, rows, columns)
         if not compress.any():
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
@@ -456,17 +455,16 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
 
     def _graph_step(self, md: RocketKVMetadata, common_prefix_len: int,
                     cm: CommonAttentionMetadata, native_cm, fast_build: bool,
-                    rows: np.ndarray, seq_lens: np.ndarray | None,
-                    plans: list[RequestPlan] | None) -> RocketKVMetadata:
+                    rows: np.ndarray, columns: np.ndarray) -> RocketKVMetadata:
         """A one-token-per-row step laid out as its FULL graph was captured
-        (``decode_graphs``): Stage 2 over every batch row, compressed rows
-        ``rows`` active, all per-step values in the persistent buffers."""
+        (``decode_graphs``): Stage 2 over every batch row, the compressed
+        ``rows`` (their ``_columns``) active, all per-step values in the
+        persistent buffers."""
         batch = cm.num_reqs
-        columns = np.zeros((len(_HSA_COLUMNS), batch), dtype=np.int32)
-        if rows.size:
-            columns[:, rows] = self._columns(rows, rows, seq_lens[rows], plans)
-            stats.COUNTERS.decode_tokens_compressed += int(rows.size)
-        staging = torch.from_numpy(columns)
+        every_row = np.zeros((len(_HSA_COLUMNS), batch), dtype=np.int32)
+        every_row[:, rows] = columns
+        stats.COUNTERS.decode_tokens_compressed += int(rows.size)
+        staging = torch.from_numpy(every_row)
         if self._pin:
             staging = staging.pin_memory()
         col = self._graph_columns[:, :batch]
@@ -556,6 +554,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
 
 _HSA_COLUMNS = ("row", "token", "num_compact", "tail_start", "seq_len", "topk",
                 "topr", "num_select")
+_NUM_SELECT = _HSA_COLUMNS.index("num_select")
 
 
 class RocketKVImpl(AttentionImpl):
@@ -670,18 +669,11 @@ class RocketKVImpl(AttentionImpl):
     def _hsa(self, rows: HsaRows, query, out, kv_cache, k_cache, v_cache,
              kt_cache) -> None:
         s = self.settings
-        if rows.in_place:  # FULL-graph layout (Triton only): rows are tokens
-            from rocketkv_vllm import triton_ops
-
+        if rows.in_place:  # FULL-graph layout (Triton only): row b is token b
             batch = rows.tokens.shape[0]
-            triton_ops.hsa_decode_batch(
-                query[:batch], k_cache, v_cache, kt_cache, rows.block_table,
-                rows.num_compact, rows.tail_start, rows.seq_lens, rows.topk, rows.topr,
-                s.page_size, self.scale, rows.max_pages, rows.max_select,
-                s.force_current_page, out=out[:batch],
-            )
-            return
-        q = query[rows.tokens]
+            q, dest = query[:batch], out[:batch]
+        else:
+            q, dest = query[rows.tokens], None
         if self.use_triton:
             from rocketkv_vllm import triton_ops
 
@@ -689,6 +681,7 @@ class RocketKVImpl(AttentionImpl):
                 q, k_cache, v_cache, kt_cache, rows.block_table, rows.num_compact,
                 rows.tail_start, rows.seq_lens, rows.topk, rows.topr, s.page_size,
                 self.scale, rows.max_pages, rows.max_select, s.force_current_page,
+                out=dest,
             )
         elif self.use_native_cpu:
             from rocketkv_vllm import cpu_ops
@@ -704,7 +697,8 @@ class RocketKVImpl(AttentionImpl):
                 rows.pages, rows.topr, rows.num_select, rows.max_select,
                 s.page_size, self.scale, s.force_current_page,
             )
-        out[rows.tokens] = result.to(out.dtype)
+        if not rows.in_place:
+            out[rows.tokens] = result.to(out.dtype)
 
     def _poison_evicted(self, kv_cache, block_row, plan) -> None:
         """Test aid: fill the blocks the scheduler is about to take back with
