@@ -15,6 +15,9 @@
 //   1 "cpu_vec":   K[s][c] at c*bs + s,     V as head_rows (vec / vec16 kernels)
 //   2 "cpu_amx":   K at (s/16)*16*d + (c/2)*32 + (s%16)*2 + c%2,
 //                  V at bs*d + (c/16)*16*bs + (s/2)*32 + (c%16)*2 + s%2
+// Any head size d in layouts 0 and 1 (CPU_ATTN's vec / vec16 kernels serve
+// 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512); layout 2 (AMX) for d
+// and block_size divisible by 32, as CPU_ATTN chooses it.
 // The view of a compressed row is [0, num_compact) then [tail_start,
 // seq_len), cut into pages of page_size tokens (see rocketkv_vllm/paged.py).
 // KT rows are [min | max] in the cache dtype, or (uint8 kt_cache) the fp8
@@ -408,6 +411,12 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
               "hsa_decode: each head's block must be contiguous");
   TORCH_CHECK(kt_cache.stride(3) == 1, "hsa_decode: KT rows must be contiguous");
   TORCH_CHECK(layout >= 0 && layout <= 2, "hsa_decode: layout must be 0, 1 or 2");
+  // CPU_ATTN packs AMX tiles only for head sizes and block sizes divisible by
+  // 32 (others get its vec16 kernels, layout 1); the tile offsets above
+  // assume them.
+  TORCH_CHECK(layout != 2 || (query.size(2) % 32 == 0 && kv_cache.size(2) % 32 == 0),
+              "hsa_decode: the AMX layout needs head_size and block_size divisible by 32, "
+              "got ", query.size(2), " and ", kv_cache.size(2));
   auto q = query.contiguous();
   auto out = torch::empty_like(q);
   auto as_i32 = [](const torch::Tensor& t) { return t.to(torch::kInt32).contiguous(); };

@@ -1,6 +1,8 @@
 """The native CPU Stage 2 (``cpu_ops``, kernels/cpu_hsa_decode.cpp) against the
 batched PyTorch path (``batched``, itself checked against the per-request
-oracle), on CPU_ATTN's cache layouts, over decode steps crossing pages."""
+oracle), on CPU_ATTN's cache layouts, over decode steps crossing pages; at
+the head sizes CPU_ATTN serves besides 64 and 128 also against the
+per-request oracle itself (``paged.hsa_decode``)."""
 
 import pytest
 import torch
@@ -38,6 +40,8 @@ def _query(batch, hkv, g, d, dtype, gen):
     if dtype == torch.float32:
         return torch.randn(batch, hkv * g, d, generator=gen)
     levels = torch.linspace(0.5, 2.0, d)
+    if levels.to(dtype).unique().numel() < d:  # bf16 past d = 128: d consecutive bf16 values
+        levels = (torch.arange(d, dtype=torch.int16) + 0x3F00).view(torch.bfloat16).float()
     order = torch.argsort(torch.rand(batch, hkv, 1, d, generator=gen), dim=-1)
     signs = torch.randint(0, 2, (batch, hkv, g, d), generator=gen) * 2 - 1
     return (levels[order] * signs).view(batch, hkv * g, d).to(dtype)
@@ -67,7 +71,50 @@ def test_native_stage2_with_fp8_kt_matches_batched_torch(layout, hkv, g, d, bs, 
     _check_against_batched(layout, torch.bfloat16, hkv, g, d, bs, ps, force, "fp8_e4m3")
 
 
-def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype):
+# vLLM CPU_ATTN's head sizes (CPUAttentionBackend.get_supported_head_sizes)
+# other than 64 and 128, each on the layouts its kernels write there: K
+# transposed per head block ("cpu_vec", the vec and vec16 kernels: every
+# size, vec16 for those not divisible by 32) and AMX tiles ("cpu_amx", bf16,
+# sizes divisible by 32); "head_rows" for a few.
+_HEAD_SIZE_CASES = [
+    # layout, dtype, hkv, g, d, kt_dtype
+    ("cpu_vec", torch.bfloat16, 2, 3, 32, "auto"),
+    ("cpu_amx", torch.bfloat16, 2, 2, 32, "fp8_e4m3"),
+    ("cpu_vec", torch.float32, 2, 2, 80, "auto"),
+    ("cpu_vec", torch.bfloat16, 1, 4, 80, "fp8_e4m3"),
+    ("cpu_amx", torch.bfloat16, 2, 2, 96, "auto"),
+    ("cpu_vec", torch.float16, 1, 2, 96, "auto"),
+    ("cpu_vec", torch.bfloat16, 1, 3, 112, "auto"),
+    ("head_rows", torch.float32, 1, 2, 112, "fp8_e4m3"),
+    ("cpu_amx", torch.bfloat16, 1, 2, 160, "auto"),
+    ("cpu_vec", torch.float32, 1, 2, 192, "auto"),
+    ("cpu_amx", torch.bfloat16, 1, 2, 224, "fp8_e4m3"),
+    ("cpu_amx", torch.bfloat16, 1, 3, 256, "auto"),
+    ("cpu_vec", torch.bfloat16, 1, 2, 256, "fp8_e4m3"),
+    ("head_rows", torch.float16, 1, 2, 256, "auto"),
+    ("cpu_amx", torch.bfloat16, 1, 2, 512, "auto"),
+    ("cpu_vec", torch.float32, 1, 1, 512, "auto"),
+]
+
+
+@pytest.mark.parametrize("layout,dtype,hkv,g,d,kt_dtype", _HEAD_SIZE_CASES)
+def test_native_stage2_head_sizes_match_oracle(layout, dtype, hkv, g, d, kt_dtype):
+    _check_against_batched(layout, dtype, hkv, g, d, 32, 4, d % 64 == 32, kt_dtype,
+                           oracle=True)
+
+
+def test_amx_layout_needs_head_size_multiple_of_32():
+    # CPU_ATTN writes head size 80 in the vec16 layout, never in AMX tiles
+    storage, block_elems = _cache(1, 80, 32, 4, torch.bfloat16)
+    kv, _, _, kt = _views(storage, block_elems, 1, 80, 32, 4, "head_rows")
+    ones = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="AMX layout needs head_size"):
+        cpu_ops.hsa_decode_batch(torch.zeros(1, 1, 80, dtype=torch.bfloat16), kv, kt,
+                                 "cpu_amx", torch.ones(1, 1, dtype=torch.int32), ones * 0,
+                                 ones * 0, ones, ones, ones, 4, 0.1, False)
+
+
+def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, oracle=False):
     storage, block_elems = _cache(hkv, d, bs, ps, dtype, kt_dtype)
     kv, k, v, kt = _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype)
     gen = torch.Generator().manual_seed(d + bs + ps)
@@ -89,6 +136,9 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype):
     table = torch.stack(rows).int()
     other = storage.clone()
     kv2, k2, v2, kt2 = _views(other, block_elems, hkv, d, bs, ps, layout, kt_dtype)
+    if oracle:  # a third copy for the per-request oracle (it updates KT pages too)
+        third = storage.clone()
+        _, k3, v3, kt3 = _views(third, block_elems, hkv, d, bs, ps, layout, kt_dtype)
     col = lambda i: torch.tensor([p[i] for p in plans], dtype=torch.int32)  # noqa: E731
     num_compact, tail_start, num_select, topr = col(1), col(2), col(3), col(4)
     seq = col(0)
@@ -104,3 +154,12 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         torch.testing.assert_close(kt2, kt, rtol=0, atol=0, equal_nan=True)
+        if oracle:
+            for b in range(len(plans)):
+                ref = paged.hsa_decode(query[b], k3, v3, kt3, table[b], int(num_compact[b]),
+                                       int(tail_start[b]), int(seq[b]),
+                                       int(num_select[b]) * ps, int(topr[b]), ps,
+                                       d**-0.5, force)
+                torch.testing.assert_close(got[b], ref, rtol=tol, atol=tol,
+                                           msg=lambda m: f"row {b}: {m}")
+            torch.testing.assert_close(kt2, kt3, rtol=0, atol=0, equal_nan=True)

@@ -215,6 +215,10 @@ def _same_storage(a: Cache, b: Cache):
     (200, 2, 4, 128, 32, 16, BF16, None, "head_rows"),
     (150, 1, 8, 64, 16, 8, F32, 64, "cpu_vec"),
     (180, 2, 1, 64, 32, 32, BF16, None, "split"),
+    # other FLASH_ATTN head sizes (padded to a power of two, masked past d)
+    (120, 2, 2, 32, 16, 16, F16, 64, "token"),
+    (100, 1, 3, 96, 16, 8, BF16, None, "cpu_vec"),
+    (90, 1, 2, 256, 16, 8, F32, 64, "split"),
 ])
 def test_window_scores(n, hkv, g, d, bs, w, dtype, chunk, layout):
     gen = torch.Generator().manual_seed(n)
@@ -250,6 +254,9 @@ def _kept_patterns(hkv, count, n, gen):
     (3, 64, 16, F32, 70, "cpu_vec"),
     (4, 128, 32, BF16, 45, "token"),
     (2, 80, 16, F16, 33, "split"),
+    (2, 32, 16, BF16, 40, "head_rows"),
+    (1, 256, 16, F32, 21, "cpu_vec"),
+    (2, 96, 32, BF16, 50, "token"),
 ])
 def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
     n = 160
@@ -271,6 +278,9 @@ def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
     (1, 64, 16, 1, F32, [(5, 20)], "token", AUTO),
     (2, 80, 16, 2, F16, [(0, 37), (96, 150)], "split", FP8),
     (1, 64, 32, 8, F32, [(0, 64), (64, 131)], "cpu_vec", FP8),
+    (2, 32, 16, 4, BF16, [(0, 37), (96, 150)], "token", FP8),
+    (1, 96, 16, 16, F16, [(0, 64), (64, 131)], "head_rows", AUTO),
+    (1, 256, 16, 4, F32, [(8, 45)], "split", FP8),
 ])
 def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges, layout, kt_dtype):
     n = 160
@@ -304,6 +314,11 @@ def _pooled_ref_topk_ok(pooled, chosen, protect_from, tol):
     (260, 2, 4, 128, 32, 8, BF16, 120, "token", AUTO),
     (256, 2, 3, 64, 16, 2, F32, 90, "head_rows", AUTO),  # fills its last block exactly
     (200, 2, 2, 64, 16, 4, BF16, 80, "split", FP8),
+    # other FLASH_ATTN head sizes
+    (150, 2, 2, 32, 16, 4, BF16, 70, "token", FP8),
+    (140, 1, 3, 80, 16, 2, F16, 60, "cpu_vec", AUTO),
+    (130, 2, 2, 96, 16, 8, F32, 50, "head_rows", AUTO),
+    (120, 1, 2, 256, 16, 4, BF16, 60, "split", FP8),
 ])
 def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
     gen = torch.Generator().manual_seed(n)
@@ -448,6 +463,9 @@ def _page_tokens(starts, nc, ts, seq, ps):
     (3, 3, 64, 16, 2, BF16, False, "torch", "split", AUTO),
     (2, 4, 64, 16, 4, BF16, True, "triton", "token", FP8),
     (2, 3, 80, 16, 2, F32, False, "triton", "cpu_vec", FP8),
+    (2, 2, 32, 16, 4, F16, True, "triton", "split", AUTO),
+    (1, 4, 96, 16, 4, BF16, False, "triton", "token", FP8),
+    (1, 2, 256, 16, 8, F32, True, "triton", "head_rows", AUTO),
 ])
 def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, layout,
                                       kt_dtype):
@@ -576,6 +594,9 @@ def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
     (4, 1, 64, 32, 4, BF16, 2, "split"),
     (2, 3, 80, 16, 16, F16, 2, "token"),
     (2, 3, 64, 16, 2, F32, 2, "head_rows"),
+    (2, 2, 32, 16, 4, BF16, None, "cpu_vec"),
+    (1, 4, 96, 16, 8, F32, 2, "split"),
+    (1, 3, 256, 16, 4, BF16, 1, "token"),
 ])
 def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
@@ -612,6 +633,10 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     (2, 4, 128, 32, BF16, None, "head_rows"),
     (1, 8, 64, 16, BF16, 1, "cpu_vec"),
     (2, 3, 64, 16, F16, 2, "split"),
+    (2, 2, 32, 16, BF16, 2, "token"),
+    (1, 3, 80, 16, F32, None, "head_rows"),
+    (2, 2, 96, 16, F16, 1, "cpu_vec"),
+    (1, 4, 256, 16, BF16, 3, "split"),
 ])
 def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
     seqs = [150, 1, 0, 77]
@@ -641,6 +666,9 @@ def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
     (2, 64, 16, 4, F16, True, "split", AUTO),
     (2, 64, 16, 4, BF16, False, "token", FP8),
     (2, 80, 32, 8, F32, True, "head_rows", FP8),
+    (2, 32, 16, 4, BF16, True, "cpu_vec", AUTO),
+    (1, 96, 16, 16, F16, False, "split", FP8),
+    (1, 256, 16, 4, F32, True, "token", AUTO),
 ])
 def test_kt_update(hkv, d, bs, ps, dtype, fused, layout, kt_dtype):
     specs = [(37, 96, 150), (64, 64, 65), (0, 0, 0), (13, 32, 40)]
@@ -677,6 +705,13 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused, layout, kt_dtype):
     (3, 3, 64, 32, 2, BF16, False, "torch", "head_rows", AUTO),
     (2, 4, 64, 16, 4, BF16, True, "auto", "token", FP8),
     (2, 3, 64, 16, 2, F32, False, "auto", "split", FP8),
+    # other FLASH_ATTN head sizes (Stage 2 end to end against the oracle)
+    (2, 2, 32, 16, 4, BF16, True, "auto", "token", FP8),
+    (1, 3, 80, 16, 4, F16, False, "auto", "cpu_vec", AUTO),
+    (2, 2, 96, 16, 16, F32, True, "auto", "head_rows", AUTO),
+    (1, 2, 160, 16, 4, BF16, False, "auto", "split", AUTO),
+    (1, 2, 192, 16, 8, F16, True, "auto", "token", FP8),
+    (1, 4, 256, 16, 4, BF16, True, "auto", "head_rows", FP8),
 ])
 def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps, dtype,
                                                                force, impl, layout,
