@@ -62,7 +62,7 @@ from rocketkv_vllm.kernels._utils import (
     num_sms,
     row_vectors,
 )
-from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, load_kt_fp8_rows
+from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, load_kt_fp8_bounds
 
 _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E)
@@ -129,6 +129,8 @@ def _page_logits_kernel(
     positive = tl.sum(q, 0) > 0
     take_max = chosen & positive
     take_min = chosen & (~positive)
+    max_bits = tl.where(take_max, -1, 0).to(tl.int8)  # byte masks of the fp8 codes
+    min_bits = tl.where(take_min, -1, 0).to(tl.int8)
     sel_abs = tl.sum(tl.where(chosen[None, :], absq, 0.0), 1)
     all_abs = tl.maximum(tl.sum(absq, 1), 1e-30)
     tau = tl.sqrt(D * sel_abs / all_abs)
@@ -167,12 +169,12 @@ def _page_logits_kernel(
         # channels, so skipping unchosen halves would save little traffic),
         # then the chosen half of each chosen channel.
         kmask = ok[:, None] & d_ok[None, :]
-        if KT_FP8:  # uint8 rows: codes * scale in fp32 (exact in bf16)
-            kmin, kmax = load_kt_fp8_rows(base, d, kmask, ok, D)
+        if KT_FP8:  # uint8 rows: the chosen codes * scale in fp32 (exact in bf16)
+            bound = load_kt_fp8_bounds(base, d, kmask, ok, max_bits, min_bits, D)
         else:
             kmin = tl.load(base[:, None] + d[None, :], mask=kmask, other=0.0)
             kmax = tl.load(base[:, None] + D + d[None, :], mask=kmask, other=0.0)
-        bound = tl.where(take_max[None, :], kmax, tl.where(take_min[None, :], kmin, 0.0))
+            bound = tl.where(take_max[None, :], kmax, tl.where(take_min[None, :], kmin, 0.0))
         if SPLIT:  # 16-bit / fp8 KT values are exact operands: 3 tensor-core dots
             bt = tl.trans(bound.to(HALF))
             s = mma(q1, bt, UPCAST) + mma(q2, bt, UPCAST) + mma(q3, bt, UPCAST)
@@ -260,7 +262,12 @@ def hsa_page_probs(
     bs = pages_per_block * page_size
     group = hq // hkv
     max_pages = int(max_pages)
-    block_p = 64 if d <= 64 else 32
+    # Page tile and warps from compile_kernels.py's register counts (Triton
+    # 3.6 and 3.9, sm_80 / sm_90): 32 pages a tile (16 for fp8 rows past d
+    # 128), 8 warps past d 64; no 16-bit configuration spills.
+    fp8 = kt_cache.dtype == torch.uint8
+    block_p = 16 if fp8 and head_pad(d) > 128 else 32
+    logit_warps = 4 if head_pad(d) <= 64 else 8
     if chunk is None:
         # about 4 programs per SM, however large max_pages is (a FULL CUDA
         # graph's): the kernel spreads each row's own pages over the splits
@@ -273,7 +280,6 @@ def hsa_page_probs(
     # the 16-bit type of the split dot: the KT's own, bf16 for fp8 rows (their
     # decoded values have <= 4 significant bits and fp32's exponent range);
     # None: fp32 KT, one IEEE fp32 dot
-    fp8 = kt_cache.dtype == torch.uint8
     half = torch.bfloat16 if fp8 else (
         kt_cache.dtype if kt_cache.dtype in (torch.bfloat16, torch.float16) else None)
     dev = query.device
@@ -293,7 +299,7 @@ def hsa_page_probs(
         G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
         BLOCK_P=block_p, RANK_CHUNK=min(16, head_pad(d)),
         SPLIT=half is not None, UPCAST=half is not None and dot_upcast(half),
-        HALF=_TL_DTYPE.get(half, tl.float32), KT_FP8=fp8, num_warps=4,
+        HALF=_TL_DTYPE.get(half, tl.float32), KT_FP8=fp8, num_warps=logit_warps,
     )
     _page_probs_kernel[grid](
         logits, part_m, part_l, probs, num_compact, tail_start, seq_lens,

@@ -13,7 +13,7 @@ GPU). Scale bytes go through four byte loads / a 16-byte store, so rows need
 no alignment.
 
 ``store_kt_fp8_rows`` serves the two KT writers (``compact`` and
-``kt_update``), ``load_kt_fp8_rows`` the scorer (``hsa_score``).
+``kt_update``), ``load_kt_fp8_bounds`` the scorer (``hsa_score``).
 """
 
 from __future__ import annotations
@@ -111,16 +111,26 @@ def store_kt_fp8_rows(row_ptr, kmin, kmax, row_ok, d, d_ok, D: tl.constexpr):
 
 
 @triton.jit
-def load_kt_fp8_rows(row_ptr, d, mask, row_ok, D: tl.constexpr):
-    """Decoded (min, max) fp32 [P, D_PAD] of the rows at row_ptr [P] (uint8
-    pointers to byte 0); masked entries (mask [P, D_PAD]) are 0."""
-    ptrs = row_ptr[:, None] + d[None, :]
-    cmin = tl.load(ptrs, mask=mask, other=0)
-    cmax = tl.load(ptrs + D, mask=mask, other=0)
+def _load_scale(row_ptr, row_ok, D: tl.constexpr):
+    """The fp32 scales [P, 1] of the rows at row_ptr [P] (four byte loads)."""
     s = row_ptr + 2 * D
     bits = (tl.load(s, mask=row_ok, other=0).to(tl.int32)
             | (tl.load(s + 1, mask=row_ok, other=0).to(tl.int32) << 8)
             | (tl.load(s + 2, mask=row_ok, other=0).to(tl.int32) << 16)
             | (tl.load(s + 3, mask=row_ok, other=0).to(tl.int32) << 24))
-    scale = bits.to(tl.float32, bitcast=True)[:, None]
-    return _decode(cmin, scale), _decode(cmax, scale)
+    return bits.to(tl.float32, bitcast=True)[:, None]
+
+
+@triton.jit
+def load_kt_fp8_bounds(row_ptr, d, mask, row_ok, max_bits, min_bits, D: tl.constexpr):
+    """The bound fp32 [P, D_PAD] of the rows at row_ptr [P]: per channel the
+    decoded max where max_bits [D_PAD] (int8) is -1, the min where min_bits
+    is -1, 0 where both are 0 and where mask [P, D_PAD] is off. The code byte
+    of each channel is chosen by bit masks before one decode (code 0 is
+    +0.0): the same values as decoding both halves and selecting, in fewer
+    registers (8-bit masks instead of predicate tiles)."""
+    ptrs = row_ptr[:, None] + d[None, :]
+    cmin = tl.load(ptrs, mask=mask, other=0)
+    cmax = tl.load(ptrs + D, mask=mask, other=0)
+    code = (cmax & max_bits[None, :].to(tl.uint8)) | (cmin & min_bits[None, :].to(tl.uint8))
+    return _decode(code, _load_scale(row_ptr, row_ok, D))

@@ -284,12 +284,19 @@ def ptxas_version(capability: int) -> str:
 
 
 def import_kernels():
-    """The kernel modules (``rocketkv_vllm.kernels`` mapped onto ./kernels when
-    the package is not installed, e.g. in a throwaway venv)."""
+    """The kernel modules of this checkout (``rocketkv_vllm.kernels`` mapped
+    onto its ./kernels where the package is not installed from here, e.g. in
+    a throwaway venv or a copy of an older commit)."""
     sys.path.insert(0, str(ROOT))
+    here = (ROOT / "kernels").resolve()
     try:
-        importlib.import_module("rocketkv_vllm.kernels")
+        found = importlib.import_module("rocketkv_vllm.kernels")
+        ours = Path(found.__file__).resolve().parent == here
     except ModuleNotFoundError:
+        ours = False
+    if not ours:
+        for name in [m for m in sys.modules if m.startswith("rocketkv_vllm.kernels")]:
+            del sys.modules[name]
         spec = importlib.util.spec_from_file_location(
             "rocketkv_vllm.kernels", ROOT / "kernels" / "__init__.py",
             submodule_search_locations=[str(ROOT / "kernels")])
@@ -351,11 +358,12 @@ def sweep(head_dims, dtypes, page_sizes, kts, layouts) -> list[Config]:
 
 
 def default_sweep() -> list[Config]:
-    """Engine head dims in every dtype; the other FLASH_ATTN head sizes in
-    the 16-bit dtypes."""
+    """Engine head dims in every dtype, both layouts; the other FLASH_ATTN
+    head sizes in the 16-bit dtypes, graph layout (eager differs only in the
+    split / select constexprs, which do not depend on d)."""
     other = tuple(d for d in HEAD_DIMS if d not in ENGINE_HEAD_DIMS)
     return (sweep(ENGINE_HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS)
-            + sweep(other, ("bf16", "fp16"), PAGE_SIZES, KT_DTYPES, LAYOUTS))
+            + sweep(other, ("bf16", "fp16"), PAGE_SIZES, KT_DTYPES, ("graph",)))
 
 
 # The test's subset: every kernel in each 16-bit dtype, both KT formats,
@@ -400,7 +408,8 @@ class Tensors:
         return torch.zeros(batch, HKV * GROUP, self.cfg.d, dtype=self.dtype)
 
 
-def launch_config(cfg: Config, target: Target, mods, paged) -> list[tuple[str, str]]:
+def launch_config(cfg: Config, target: Target, mods, paged,
+                  only: set[str] | None = None) -> list[tuple[str, str]]:
     """Call every launcher for one configuration; [(launcher, error)] of those
     that raised (compile errors, out of resources)."""
     t = Tensors(cfg, paged)
@@ -409,7 +418,7 @@ def launch_config(cfg: Config, target: Target, mods, paged) -> list[tuple[str, s
     hs, sd, dd = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"]
     graph = cfg.layout == "graph"
     batch = GRAPH_ROWS if graph else EAGER_ROWS
-    if graph:  # decode_graphs.shape_for: fixed by max_model_len and the budget
+    if graph:  # plan.shape_for: fixed by max_model_len and the budget
         max_pages = -(-MAX_MODEL_LEN // ps) + 1
         max_select = min(max(TOPK // ps, 1), max_pages)
         max_seq = MAX_MODEL_LEN
@@ -450,6 +459,8 @@ def launch_config(cfg: Config, target: Target, mods, paged) -> list[tuple[str, s
     with mock.patch.object(hs, "num_sms", lambda device: target.sms), \
             mock.patch.object(sd, "num_sms", lambda device: target.sms):
         for name, call in calls.items():
+            if only and name not in only:
+                continue
             _Launcher.caller = name
             try:
                 call()
@@ -459,7 +470,8 @@ def launch_config(cfg: Config, target: Target, mods, paged) -> list[tuple[str, s
     return errors
 
 
-def compile_configs(configs: list[Config], target_names: list[str]) -> dict:
+def compile_configs(configs: list[Config], target_names: list[str],
+                    only: set[str] | None = None) -> dict:
     """Compile ``configs`` for each target in this process."""
     mods = import_kernels()
     from rocketkv_vllm import paged
@@ -474,7 +486,7 @@ def compile_configs(configs: list[Config], target_names: list[str]) -> dict:
                 fn.device_caches.clear()
             _Launcher.log = []
             t0 = time.time()
-            for launcher, msg in launch_config(cfg, target, mods, paged):
+            for launcher, msg in launch_config(cfg, target, mods, paged, only):
                 errors.append(dict(launcher=launcher, config=cfg.name, target=tname,
                                    error=msg))
             grids, callers = {}, {}
@@ -514,21 +526,22 @@ def compile_configs(configs: list[Config], target_names: list[str]) -> dict:
 
 
 def _worker(args):
-    configs, target_names = args
+    configs, target_names, only = args
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            return compile_configs(configs, target_names)
+            return compile_configs(configs, target_names, only)
         except Exception:  # noqa: BLE001
             return dict(records=[], errors=[dict(launcher="*", config="*",
                                                  target=",".join(target_names),
                                                  error=traceback.format_exc()[-3000:])])
 
 
-def run(configs: list[Config], target_names: list[str], jobs: int) -> dict:
-    tasks = [(configs[i::jobs], [t]) for t in target_names for i in range(jobs)
+def run(configs: list[Config], target_names: list[str], jobs: int,
+        only: set[str] | None = None) -> dict:
+    tasks = [(configs[i::jobs], [t], only) for t in target_names for i in range(jobs)
              if configs[i::jobs]]
-    if jobs <= 1 and len(target_names) >= 1:
-        results = [_worker((configs, target_names))]
+    if jobs <= 1:
+        results = [_worker((configs, target_names, only))]
     else:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(min(jobs, len(tasks))) as pool:
@@ -617,8 +630,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--subset", choices=["default", "ci", "all"], default="default",
                    help="default: engine head dims (64, 128) in bf16/fp16/fp32 and the other "
-                        "FLASH_ATTN head sizes in bf16/fp16; all: every head size in every "
-                        "dtype; ci: the test's six configurations")
+                        "FLASH_ATTN head sizes in bf16/fp16 (graph layout); all: every head "
+                        "size, dtype and layout; ci: the test's six configurations")
     p.add_argument("--targets", default=None,
                    help="comma list of " + ", ".join(TARGETS) + " (default: all this Triton "
                         "supports; ci: sm_90,sm_80)")
@@ -627,6 +640,10 @@ def parse_args(argv):
     p.add_argument("--page-sizes", default=None)
     p.add_argument("--kt", default=None, help="comma list of auto, fp8")
     p.add_argument("--layouts", default=None, help="comma list of graph, eager")
+    p.add_argument("--launchers", default=None,
+                   help="comma list: only these launchers (window_scores, compact_kept_tokens, "
+                        "write_kt_pages, kt_update, write_kv_and_kt, hsa_page_probs, "
+                        "select_pages, sparse_decode, dense_decode)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--json", default=str(DEFAULT_JSON),
                    help="where to write the results ('' for nowhere)")
@@ -675,7 +692,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     print(f"compiling {len(configs)} configurations for {', '.join(target_names)} "
           f"(Triton {triton.__version__}, jobs {args.jobs})", file=sys.stderr, flush=True)
-    result = run(configs, target_names, max(1, args.jobs))
+    only = set(args.launchers.split(",")) if args.launchers else None
+    result = run(configs, target_names, max(1, args.jobs), only)
     records, errors = result["records"], result["errors"]
     wall = time.time() - t0
 
