@@ -1,20 +1,23 @@
-"""RocketKV settings: parsing, validation and the per-request budget plan.
+"""RocketKV settings: the user's knobs, their validation, presets, and the
+settings one engine runs with.
 
 Users pass settings through vLLM's own ``additional_config``::
 
     vllm serve M --attention-backend ROCKETKV \
         --additional-config '{"rocketkv": {"token_budget": 1024}}'
 
-Everything here is pure Python so that the scheduler-side block manager and the
-worker-side backend derive exactly the same plan for a request from its prompt
-length alone (the block manager is told nothing else about a request).
+``RocketKVConfig`` is the one user-facing dataclass: each field's metadata
+(``knob``) holds its documentation and allowed values, and drives both the
+validation here and the README's configuration table (``config_table``).
+Pure Python (no vLLM import): the scheduler-side block manager and the
+worker-side backend derive the same plan for a request (``plan``).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from typing import Any
 
@@ -23,93 +26,176 @@ import yaml
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")
 KT_DTYPE_CHOICES = ("auto", "fp8_e4m3")
-_MAX_INT = 1 << 24
+MAX_INT = 1 << 24
 
 
 class RocketKVConfigError(ValueError):
     """A RocketKV setting is missing, unknown or out of range."""
 
 
+def knob(default: Any, doc: str, *, kind: type | tuple = int, lo: int | None = None,
+         hi: int | None = None, nullable: bool = False, odd: bool = False,
+         pow2: bool = False, shown: str | None = None) -> Any:
+    """A user setting: its default, one-line documentation (the README
+    table) and what values it allows. ``kind`` is int, bool, str (a preset
+    name or path) or a tuple of allowed strings; ``shown`` is the default as
+    the table prints it when it is not the value itself."""
+    return field(default=default, metadata=dict(
+        doc=doc, kind=kind, lo=lo, hi=hi, nullable=nullable, odd=odd, pow2=pow2,
+        shown=shown))
+
+
 @dataclass(frozen=True)
 class RocketKVConfig:
     """What the user asked for (one preset plus overrides), validated.
 
-    ``token_budget`` switches on the automatic split of SPEC §1; otherwise the
-    explicit knobs are used as given. The split derives prompt_budget, topk
-    and topr, so an explicit value of those next to token_budget is refused
-    (page_size may be given with it: the split is then computed for it).
+    ``token_budget`` switches on the automatic split of SPEC §1; otherwise
+    the explicit knobs are used as given. The split derives prompt_budget,
+    topk and topr, so an explicit value of those next to token_budget is
+    refused (page_size may be given with it: the split is then computed for
+    it).
     """
 
-    token_budget: int | None = None
-    prompt_budget: int = 2048
-    window_size: int = 32
-    kernel_size: int = 63
-    page_size: int | None = None  # None: 4, or derived from token_budget
-    topk: int = 256  # tokens selected per decode step (a multiple of page_size;
-    # larger than the view: every page, i.e. attend to all kept tokens)
-    topr: int | None = None  # None: head dim (all channels)
-    max_new_tokens: int = 256  # generation length the token_budget split assumes
-    # Not in the reference; cheap, and it keeps each new token's own page
-    # (measured on SmolLM2: needle 8/9 with it, 6/9 without, token budget 256).
-    # Selected on top of the topk pages (an extra page, never one of them).
-    force_current_page: bool = True
-    # Stage 1 on/off. False: nothing is evicted, but a prompt longer than
-    # topk still gets Stage 2 over all its tokens (Quest-style sparse decode).
-    evict: bool = True
-    # auto: Triton on CUDA, the C++ kernel on CPU (PyTorch if it cannot be
-    # built); torch: batched PyTorch; triton: Triton (tests force it on CPU).
-    kernel: str = "auto"
-    # KT pages (per-page min/max keys): "auto" stores them in the KV cache
-    # dtype; "fp8_e4m3" in fp8 with a power-of-two scale per row, rounded
-    # outward so they stay bounds (algorithm.kt_fp8): about half the bytes
-    # to keep and to read when scoring pages.
-    kt_dtype: str = "auto"
-    free_evicted_blocks: bool = True  # give evicted blocks back to vLLM
-    poison_evicted_blocks: bool = False  # tests: garbage-fill blocks before freeing
-    # tests: lay decode steps out as a FULL CUDA graph replays them
-    # (decode_graphs), also where vLLM captures none (CPU)
-    force_graph_layout: bool = False
-    preset: str | None = None
+    preset: str | None = knob(
+        None, "a file from `configs/` (`budget-256`, `budget-1024`, `budget-2048`, "
+        "`trtllm`) or a YAML path; keys given next to it override it",
+        kind=str, nullable=True, shown="none")
+    token_budget: int | None = knob(
+        None, "one number B; per request, SPEC §1's split gives `prompt_budget`, "
+        "`topk`, `topr` (see below)", lo=16, hi=MAX_INT, nullable=True, shown="none")
+    prompt_budget: int = knob(
+        2048, "tokens kept per KV head after prefill (prompts this short or shorter "
+        "are not compressed); >= `window_size + block_size`", lo=2, hi=MAX_INT)
+    window_size: int = knob(
+        32, "observation window (last prompt tokens whose queries score the "
+        "prompt); always kept; with eviction on, at least `block_size - 1` (the "
+        "prompt's last, partly filled block stays in place)", lo=1, hi=4096)
+    kernel_size: int = knob(63, "max-pool width over the scores (odd)", lo=1, hi=4095,
+                            odd=True)
+    page_size: int | None = knob(
+        None, "tokens per KT page; a power of two dividing the KV block size "
+        "(default 4, or derived from `token_budget`)", lo=1, hi=256, nullable=True,
+        pow2=True, shown="4")
+    topk: int = knob(
+        256, "tokens attended per decode step (`topk / page_size` pages); a multiple "
+        "of `page_size`; more than the view means every kept token; refused next "
+        "to `token_budget`", lo=1, hi=MAX_INT)
+    topr: int | None = knob(
+        None, "query channels used to score pages; refused next to `token_budget`",
+        lo=1, hi=1024, nullable=True, shown="head dim")
+    max_new_tokens: int = knob(
+        256, "generation length the `token_budget` split assumes", lo=1, hi=MAX_INT)
+    force_current_page: bool = knob(
+        True, "also attend to the page of the newest token, on top of the `topk` "
+        "pages (not in the reference; the `trtllm` preset turns it off)", kind=bool)
+    evict: bool = knob(
+        True, "false: Stage 1 evicts nothing and every prompt longer than `topk` "
+        "still decodes sparsely (Quest-style)", kind=bool)
+    kernel: str = knob(
+        "auto", "`auto`: Triton on NVIDIA, the C++ Stage 2 kernel on CPU; `torch`: "
+        "batched PyTorch (the reference); `triton`: the Triton kernels (NVIDIA, or "
+        "`TRITON_INTERPRET=1`)", kind=KERNEL_CHOICES)
+    kt_dtype: str = knob(
+        "auto", "KT pages (per-page min/max keys) in the model dtype (`auto`) or in "
+        "fp8 rounded outward (`fp8_e4m3`: about half the bytes)", kind=KT_DTYPE_CHOICES)
+    free_evicted_blocks: bool = knob(
+        True, "give evicted blocks back to vLLM (false keeps them: for A/B checks)",
+        kind=bool)
 
 
-# (field, minimum, maximum); None bounds are checked elsewhere.
-_INT_RANGES = {
-    "token_budget": (16, _MAX_INT),
-    "prompt_budget": (2, _MAX_INT),
-    "window_size": (1, 4096),
-    "kernel_size": (1, 4095),
-    "page_size": (1, 256),
-    "topk": (1, _MAX_INT),
-    "topr": (1, 1024),
-    "max_new_tokens": (1, _MAX_INT),
-}
+# token_budget derives these; an explicit one next to it is refused.
+_SPLIT_KNOBS = ("prompt_budget", "topk", "topr")
 
 
-def token_budget_range() -> tuple[int, int]:
-    return _INT_RANGES["token_budget"]
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise RocketKVConfigError(f"rocketkv.{name}={value!r} is invalid: allowed {allowed}")
 
 
-def _fail(field_name: str, value: Any, allowed: str) -> None:
-    raise RocketKVConfigError(
-        f"rocketkv.{field_name}={value!r} is invalid: allowed {allowed}"
-    )
+def _allowed(meta: dict) -> str:
+    kind = meta["kind"]
+    if kind is bool:
+        text = "true or false"
+    elif isinstance(kind, tuple):
+        text = f"one of {list(kind)}"
+    elif kind is str:
+        text = "a preset name from list_presets() or a path to a YAML file"
+    else:
+        text = f"an integer in [{meta['lo']}, {meta['hi']}]"
+        if meta["odd"]:
+            text = f"an odd integer in [{meta['lo']}, {meta['hi']}]"
+        if meta["pow2"]:
+            text = f"a power of two in [{meta['lo']}, {meta['hi']}]"
+    return text + (" or null" if meta["nullable"] else "")
+
+
+def _check_value(name: str, value: Any, meta: dict) -> None:
+    if value is None:
+        if not meta["nullable"]:
+            _fail(name, value, _allowed(meta))
+        return
+    kind = meta["kind"]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif isinstance(kind, tuple):
+        ok = value in kind
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:
+        ok = (isinstance(value, int) and not isinstance(value, bool)
+              and meta["lo"] <= value <= meta["hi"]
+              and (not meta["odd"] or value % 2 == 1)
+              and (not meta["pow2"] or value & (value - 1) == 0))
+    if not ok:
+        _fail(name, value, _allowed(meta))
+
+
+_KNOBS = {f.name: f.metadata for f in fields(RocketKVConfig)}
+
+
+def _read_preset_file(name: str, text_of) -> dict[str, Any]:
+    """The mapping in a preset file; errors name ``rocketkv.preset`` and the
+    reason, never the file's content."""
+    try:
+        text = text_of()
+    except UnicodeDecodeError:
+        _fail("preset", name, "a UTF-8 YAML text file (this one is binary)")
+    except OSError as e:
+        _fail("preset", name, f"a readable YAML file ({e.strerror})")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        # The parser's own message quotes the file: say only what is wrong.
+        what = ("uses a YAML tag" if isinstance(e, yaml.constructor.ConstructorError)
+                else "is not YAML")
+        _fail("preset", name, f"a plain YAML mapping without tags (this file {what}{where})")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        _fail("preset", name, "a YAML file holding a mapping of rocketkv settings")
+    return data
 
 
 def _load_preset(name: str) -> dict[str, Any]:
     if os.path.sep in name or name.endswith((".yaml", ".yml")):
-        path = name
-        if not os.path.isfile(path):
+        if not os.path.isfile(name):
             _fail("preset", name, "a preset name from list_presets() or a YAML file")
-        text = open(path, encoding="utf-8").read()
+
+        def text_of():
+            with open(name, encoding="utf-8") as f:
+                return f.read()
     else:
-        files = resources.files("rocketkv_vllm.configs")
-        entry = files / f"{name}.yaml"
+        entry = resources.files("rocketkv_vllm.configs") / f"{name}.yaml"
         if not entry.is_file():
             _fail("preset", name, f"one of {list_presets()} or a path to a YAML file")
-        text = entry.read_text(encoding="utf-8")
-    data = yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        _fail("preset", name, "a YAML file holding a mapping of rocketkv settings")
+
+        def text_of():
+            return entry.read_text(encoding="utf-8")
+    data = _read_preset_file(name, text_of)
+    bad = sorted(str(k) for k in set(data) - set(_KNOBS))
+    if bad:
+        _fail("preset", name, f"a preset with keys from {sorted(_KNOBS)} (not {bad})")
     if "preset" in data:
         _fail("preset", name, "a preset that does not name another preset")
     return data
@@ -123,88 +209,54 @@ def list_presets() -> list[str]:
 def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     """Validate the ``rocketkv`` dict of ``additional_config`` (preset first)."""
     raw = dict(raw or {})
-    known = {f.name for f in fields(RocketKVConfig)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - set(_KNOBS))
     if unknown:
         raise RocketKVConfigError(
-            f"unknown rocketkv setting(s) {unknown}: allowed keys are {sorted(known)}"
-        )
+            f"unknown rocketkv setting(s) {unknown}: allowed keys are {sorted(_KNOBS)}")
     merged: dict[str, Any] = {}
     if raw.get("preset") is not None:
-        if not isinstance(raw["preset"], str):
-            _fail("preset", raw["preset"], "a string")
-        preset = _load_preset(raw["preset"])
-        bad = sorted(set(preset) - known)
-        if bad:
-            _fail("preset", raw["preset"], f"a preset with keys from {sorted(known)}")
-        merged.update(preset)
+        _check_value("preset", raw["preset"], _KNOBS["preset"])
+        merged.update(_load_preset(raw["preset"]))
     merged.update(raw)
     # An explicit prompt_budget next to a preset's token_budget means "use mine".
     if "prompt_budget" in raw and "token_budget" not in raw:
         merged["token_budget"] = None
-    # token_budget derives these: never ignore one given next to it.
+    for name, value in merged.items():
+        _check_value(name, value, _KNOBS[name])
     if merged.get("token_budget") is not None:
-        for name in ("prompt_budget", "topk", "topr"):
+        for name in _SPLIT_KNOBS:
             if merged.get(name) is not None:
                 where = "" if name in raw else f" (set by preset {raw.get('preset')!r})"
                 _fail(name, merged[name],
                       "only without token_budget, which derives prompt_budget, "
                       f"topk and topr from one number{where}: give token_budget "
                       "or the explicit knobs, not both")
-
-    for name, (lo, hi) in _INT_RANGES.items():
-        value = merged.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(name, value, f"an integer in [{lo}, {hi}]")
-        if not lo <= value <= hi:
-            _fail(name, value, f"an integer in [{lo}, {hi}]")
-    if merged.get("kernel_size") is not None and merged["kernel_size"] % 2 == 0:
-        _fail("kernel_size", merged["kernel_size"], "an odd integer in [1, 4095]")
-    ps = merged.get("page_size")
-    if ps is not None and ps & (ps - 1):
-        _fail("page_size", ps, "a power of two in [1, 256] that divides block_size")
-    for name in ("force_current_page", "evict", "free_evicted_blocks",
-                 "poison_evicted_blocks", "force_graph_layout"):
-        if not isinstance(merged.get(name, False), bool):
-            _fail(name, merged[name], "true or false")
-    if merged.get("kernel", "auto") not in KERNEL_CHOICES:
-        _fail("kernel", merged["kernel"], f"one of {list(KERNEL_CHOICES)}")
-    if merged.get("kt_dtype", "auto") not in KT_DTYPE_CHOICES:
-        _fail("kt_dtype", merged["kt_dtype"], f"one of {list(KT_DTYPE_CHOICES)}")
-    for name in ("prompt_budget", "window_size", "kernel_size", "topk",
-                 "max_new_tokens", "force_current_page", "evict", "kernel", "kt_dtype",
-                 "free_evicted_blocks", "poison_evicted_blocks", "force_graph_layout"):
-        if merged.get(name, 0) is None:
-            _fail(name, None, "a value (null only for token_budget, page_size, topr)")
     return RocketKVConfig(**merged)
 
 
-@dataclass(frozen=True)
-class RocketKVSettings:
-    """Engine-wide resolved settings (config + block size + head dim).
+def config_table() -> str:
+    """The README's configuration table, from the knobs' metadata."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in fields(RocketKVConfig):
+        meta = f.metadata
+        default = meta["shown"] or (str(f.default).lower() if isinstance(f.default, bool)
+                                    else str(f.default))
+        rows.append(f"| `{f.name}` | {default} | {meta['doc']} |")
+    return "\n".join(rows)
 
-    Frozen and hashable: it travels inside the KV cache spec to the scheduler.
+
+@dataclass(frozen=True)
+class RocketKVSettings(RocketKVConfig):
+    """What one engine runs with: the user's config bound to the engine's
+    block size and head dim, with ``page_size`` and ``topr`` resolved.
+
+    Frozen and hashable: it travels inside the KV cache spec to the
+    scheduler. Per-request values (prompt budget, top-k, top-r of a request)
+    come from its plan (``plan.plan_request``), not from here.
     """
 
-    block_size: int
-    head_dim: int
-    page_size: int
-    window_size: int
-    kernel_size: int
-    token_budget: int | None
-    prompt_budget: int
-    topk: int
-    topr: int
-    max_new_tokens: int
-    force_current_page: bool
-    kernel: str
-    free_evicted_blocks: bool
-    poison_evicted_blocks: bool
-    evict: bool = True
-    kt_dtype: str = "auto"
-    force_graph_layout: bool = False
+    block_size: int = 16
+    head_dim: int = 64
 
     @property
     def min_prompt_budget(self) -> int:
@@ -220,10 +272,11 @@ def pow2_at_least(x: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
 
 
-def resolve_settings(
-    cfg: RocketKVConfig, block_size: int, head_dim: int, max_model_len: int
-) -> RocketKVSettings:
+def resolve_settings(cfg: RocketKVConfig, block_size: int, head_dim: int,
+                     max_model_len: int) -> RocketKVSettings:
     """Bind the user config to the engine; raise on combinations out of range."""
+    from rocketkv_vllm.plan import split_token_budget
+
     if cfg.page_size is not None:
         page_size = cfg.page_size
     elif cfg.token_budget is not None:
@@ -242,8 +295,7 @@ def resolve_settings(
         _fail("topr", topr, f"an integer in [1, {head_dim}] (the head dim)")
     if cfg.token_budget is None and cfg.topk % page_size:
         # Whole pages are selected: a remainder would be dropped silently.
-        _fail("topk", cfg.topk,
-              f"a positive multiple of page_size={page_size}")
+        _fail("topk", cfg.topk, f"a positive multiple of page_size={page_size}")
     if cfg.evict and block_size > cfg.window_size + 1:
         # The prompt's last block stays in place (up to block_size - 1
         # tokens); beyond the window those would be kept without a score,
@@ -251,156 +303,37 @@ def resolve_settings(
         _fail("window_size", cfg.window_size,
               f"an integer in [block_size - 1, 4096] = [{block_size - 1}, 4096] "
               f"with block_size={block_size} (or a smaller KV cache block size)")
-    settings = RocketKVSettings(
-        block_size=block_size,
-        head_dim=head_dim,
-        page_size=page_size,
-        window_size=cfg.window_size,
-        kernel_size=cfg.kernel_size,
-        token_budget=cfg.token_budget,
-        prompt_budget=cfg.prompt_budget,
-        topk=cfg.topk,
-        topr=topr,
-        max_new_tokens=cfg.max_new_tokens,
-        force_current_page=cfg.force_current_page,
-        kernel=cfg.kernel,
-        free_evicted_blocks=cfg.free_evicted_blocks,
-        poison_evicted_blocks=cfg.poison_evicted_blocks,
-        evict=cfg.evict,
-        kt_dtype=cfg.kt_dtype,
-        force_graph_layout=cfg.force_graph_layout,
-    )
+    settings = RocketKVSettings(**{**asdict(cfg), "page_size": page_size, "topr": topr},
+                                block_size=block_size, head_dim=head_dim)
     if (cfg.evict and cfg.token_budget is None
             and cfg.prompt_budget < settings.min_prompt_budget):
-        _fail(
-            "prompt_budget",
-            cfg.prompt_budget,
-            f"an integer >= window_size + block_size = {settings.min_prompt_budget}",
-        )
+        _fail("prompt_budget", cfg.prompt_budget,
+              f"an integer >= window_size + block_size = {settings.min_prompt_budget}")
     return settings
 
 
 @dataclass(frozen=True)
-class BudgetSplit:
-    prompt_budget: int
-    topk: int
-    page_size: int
-    topr: int
+class TestAids:
+    """Test-only switches, from ``additional_config["rocketkv_testing"]``
+    (not user settings; not in the README table)."""
+
+    # Overwrite what a compressed request gives back before the scheduler
+    # reuses it, so a later read of it changes the output.
+    poison_evicted_blocks: bool = False
+    # Lay decode steps out as a FULL CUDA graph replays them (backend.graphs),
+    # also where vLLM captures none (CPU).
+    force_graph_layout: bool = False
 
 
-def split_token_budget(
-    token_budget: int, num_prompt_tokens: int, max_new_tokens: int, head_dim: int
-) -> BudgetSplit:
-    """SPEC §1 "budget split from one number", before any kernel rounding."""
-    total = num_prompt_tokens + max_new_tokens
-    c = max(1.0, total / token_budget)
-    alpha = min(0.2 + 0.06 * math.log2(c), 0.8)
-    cap = max(int(total / c**alpha), min(2 * max_new_tokens, total))
-    c2 = max(1.0, cap / token_budget)
-    page_size = math.ceil(math.sqrt(c2))
-    if page_size > c2:
-        page_size = 1
-    topr = min(max(round(head_dim * page_size / c2), 1), head_dim)
-    return BudgetSplit(cap - max_new_tokens, token_budget // 2, page_size, topr)
+TEST_AIDS_KEY = "rocketkv_testing"
 
 
-@dataclass(frozen=True)
-class RequestPlan:
-    """What RocketKV does with one request, derived from its prompt length.
-
-    After compression the request's KV per head is: slots [0, num_compact)
-    hold the kept tokens before ``tail_start`` in original order, and the
-    block holding the prompt's last tokens stays in place from ``tail_start``
-    (block aligned), followed by generated tokens at their logical slots.
-    """
-
-    num_prompt_tokens: int
-    compress: bool
-    prompt_budget: int
-    topk: int
-    topr: int
-    num_compact: int
-    tail_start: int
-
-    def freed_block_range(self, block_size: int) -> tuple[int, int]:
-        """Logical block indices [start, end) a compressed request gives back."""
-        if not self.compress:
-            return (0, 0)
-        return (-(-self.num_compact // block_size), self.tail_start // block_size)
-
-
-def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
-                 token_budget: int | None = None) -> RequestPlan:
-    """The plan for a prompt of this length; ``token_budget`` is the
-    request's own (``request_budget``): None keeps the engine's settings, 0
-    serves the request uncompressed, else the SPEC split of that budget at
-    the engine's page size."""
-    n = num_prompt_tokens
-    if token_budget == 0:
-        return RequestPlan(n, False, n, settings.topk, settings.topr, 0,
-                           (n // settings.block_size) * settings.block_size)
-    if token_budget is not None:
-        settings = replace(settings, token_budget=token_budget)
-    if settings.token_budget is not None:
-        split = split_token_budget(
-            settings.token_budget, n, settings.max_new_tokens, settings.head_dim
-        )
-        prompt_budget = max(split.prompt_budget, settings.min_prompt_budget)
-        topk = max(split.topk // settings.page_size, 1) * settings.page_size
-        # Channel count for the page size actually used, rounded to 16 lanes.
-        c2 = max(1.0, (split.prompt_budget + settings.max_new_tokens)
-                 / settings.token_budget)
-        topr = round(settings.head_dim * settings.page_size / c2 / 16) * 16
-        topr = min(max(topr, 16), settings.head_dim)
-    else:
-        prompt_budget = settings.prompt_budget
-        topk = settings.topk
-        topr = settings.topr
-    tail_start = (n // settings.block_size) * settings.block_size
-    if not settings.evict:
-        # Stage 2 only: keep all n tokens (identity compaction, nothing
-        # freed: num_compact == tail_start); sparse decode pays off only
-        # when the prompt exceeds the per-step selection. (The backend still
-        # collects the window queries of a compressed prompt, so it must
-        # also be longer than the window, as with eviction.)
-        compress = n > max(topk, settings.window_size)
-        return RequestPlan(n, compress, n, topk, topr,
-                           tail_start if compress else 0, tail_start)
-    compress = n > prompt_budget
-    num_compact = prompt_budget - (n - tail_start) if compress else 0
-    return RequestPlan(n, compress, prompt_budget, topk, topr, num_compact, tail_start)
-
-
-class PlanCache:
-    """``plan_request`` for one engine's settings, memoised by (prompt length,
-    request budget). Plans are looked up for every row of every step (builder)
-    and every scheduled request (block manager); hashing the settings for each
-    lookup would cost more than the plan itself."""
-
-    MAX_ENTRIES = 1 << 16
-
-    def __init__(self, settings: RocketKVSettings) -> None:
-        self.settings = settings
-        self._plans: dict[tuple[int, int | None], RequestPlan] = {}
-
-    def __call__(self, num_prompt_tokens: int,
-                 token_budget: int | None = None) -> RequestPlan:
-        key = (num_prompt_tokens, token_budget)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self.MAX_ENTRIES:
-                self._plans.clear()
-            plan = self._plans[key] = plan_request(self.settings, *key)
-        return plan
-
-
-def max_topk(settings: RocketKVSettings) -> int:
-    """The largest per-step token selection any request of the engine uses."""
-    if settings.token_budget is None:
-        return settings.topk
-    return max(settings.token_budget // 2 // settings.page_size, 1) * settings.page_size
-
-
-def kept_tokens_per_head(settings: RocketKVSettings, num_prompt_tokens: int) -> int:
-    plan = plan_request(settings, num_prompt_tokens)
-    return plan.prompt_budget if plan.compress else num_prompt_tokens
+def parse_test_aids(raw: dict[str, Any] | None) -> TestAids:
+    raw = dict(raw or {})
+    allowed = {f.name for f in fields(TestAids)}
+    for name, value in raw.items():
+        if name not in allowed or not isinstance(value, bool):
+            raise RocketKVConfigError(
+                f"{TEST_AIDS_KEY}.{name}={value!r} is invalid: allowed keys "
+                f"{sorted(allowed)}, each true or false")
+    return TestAids(**raw)

@@ -3,21 +3,22 @@
 The spec pads every block with room for its KT pages, so vLLM counts them in
 its memory budget and frees them with the block. The manager gives back the
 blocks a compressed request no longer reads, using the same per-request plan
-the backend uses (``config.plan_request``, with the request's own budget if
-it set one: ``request_budget``), as soon as the request's prompt is
-fully processed.
+the backend uses (``plan.plan_request``, with the request's own budget if it
+set one: ``requests``), as soon as the request's prompt is fully processed.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, fields, replace
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
-from rocketkv_vllm.config import PlanCache, RocketKVSettings
+from rocketkv_vllm.config import RocketKVSettings
 from rocketkv_vllm.paged import kt_row_bytes
-from rocketkv_vllm.request_budget import install_scheduler_hook, scheduler_budget
+from rocketkv_vllm.plan import PlanCache, RequestPlan
+from rocketkv_vllm.requests import planned_budget
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,15 +43,13 @@ class RocketKVAttentionSpec(FullAttentionSpec):
         if block_size == self.block_size:
             return self
         raise NotImplementedError(
-            "ROCKETKV keeps KT pages inside each block; splitting blocks is not supported"
-        )
+            "ROCKETKV keeps KT pages inside each block; splitting blocks is not supported")
 
 
 def make_rocketkv_spec(spec: AttentionSpec, settings: RocketKVSettings) -> AttentionSpec:
     if not isinstance(spec, FullAttentionSpec) or type(spec) is not FullAttentionSpec:
         raise NotImplementedError(
-            f"ROCKETKV supports full-attention layers only, got {type(spec).__name__}"
-        )
+            f"ROCKETKV supports full-attention layers only, got {type(spec).__name__}")
     if spec.block_size != settings.block_size:
         settings = replace(settings, block_size=spec.block_size)
     base = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
@@ -60,14 +59,29 @@ def make_rocketkv_spec(spec: AttentionSpec, settings: RocketKVSettings) -> Atten
 
 
 class RocketKVManager(FullAttentionManager):
-    """Full attention, minus the middle blocks of compressed prompts."""
+    """Full attention, minus the middle blocks of compressed prompts.
+
+    One per engine's scheduler; it also keeps the scheduler-side ROCKETKV
+    state: the requests it has seen (``track``), by id, weakly.
+    """
 
     def __init__(self, kv_cache_spec: RocketKVAttentionSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         assert kv_cache_spec.rocketkv is not None
         self.settings = kv_cache_spec.rocketkv
         self.plans = PlanCache(self.settings)
-        install_scheduler_hook()
+        self._requests: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def track(self, request) -> None:
+        """Remember a request the scheduler is about to allocate blocks for
+        (``vllm_patches``: the prefix-cache lookup of every new or resumed
+        request), so the calls that name only its id can plan it."""
+        self._requests[request.request_id] = request
+
+    def plan_of(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
+        request = self._requests.get(request_id)
+        budget = None if request is None else planned_budget(request.sampling_params)
+        return self.plans(num_prompt_tokens, budget)
 
     def remove_skipped_blocks(
         self,
@@ -83,10 +97,20 @@ class RocketKVManager(FullAttentionManager):
             or processed_computed_tokens < num_prompt_tokens
         ):
             return
-        plan = self.plans(num_prompt_tokens, scheduler_budget(request_id))
-        start, end = plan.freed_block_range(self.block_size)
+        start, end = self.plan_of(request_id, num_prompt_tokens).freed_block_range(
+            self.block_size)
         if start < end:
             self._remove_blocks_in_range(request_id, start, end)
+
+
+def rocketkv_manager(kv_cache_manager) -> RocketKVManager | None:
+    """The ROCKETKV manager of a vLLM ``KVCacheManager``, or None (another
+    backend's engine)."""
+    coordinator = getattr(kv_cache_manager, "coordinator", None)
+    for manager in getattr(coordinator, "single_type_managers", ()):
+        if isinstance(manager, RocketKVManager):
+            return manager
+    return None
 
 
 def register_kv_cache_spec() -> None:
@@ -96,5 +120,4 @@ def register_kv_cache_spec() -> None:
     # empty, so fill it first or ours would be the only one.
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(
-        RocketKVAttentionSpec, RocketKVManager, uniform_type_base_spec=FullAttentionSpec
-    )
+        RocketKVAttentionSpec, RocketKVManager, uniform_type_base_spec=FullAttentionSpec)

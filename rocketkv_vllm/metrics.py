@@ -6,7 +6,7 @@ It does nothing unless the engine's attention backend is ROCKETKV.
 
 Every ROCKETKV decision about a request is a pure function of the engine's
 settings, the request's prompt length and the budget the request may set
-(``config.plan_request``, ``request_budget``), the same
+(``plan.plan_request``, ``requests``), the same
 function the scheduler (block freeing) and the backend (Stage 1 / Stage 2)
 use. So the counters are derived here, in the frontend, from the outputs vLLM
 already streams back for every request: no counter lives in a worker, and the
@@ -40,22 +40,16 @@ own, so each counts. A request preempted and recomputed is counted once.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from rocketkv_vllm.config import (
-    CONFIG_KEY,
-    PlanCache,
-    RequestPlan,
-    RocketKVSettings,
-    parse_config,
-    resolve_settings,
-)
-from rocketkv_vllm.request_budget import planned_budget
+from rocketkv_vllm.config import RocketKVSettings
+from rocketkv_vllm.engine import is_rocketkv_engine, settings_for
+from rocketkv_vllm.plan import PlanCache, RequestPlan, view_pages
+from rocketkv_vllm.requests import planned_budget
 
 # Under the "vllm" logger so records show with vLLM's own formatting/level.
 logger = init_logger(f"vllm.{__name__}")
@@ -66,9 +60,8 @@ KEPT_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
 ATTENDED_BUCKETS = tuple(float(1 << i) for i in range(4, 18))  # 16 .. 131072
 
 # Attribute of vLLM's IterationStats where the output hook leaves what each
-# request output of the iteration was (see _install_output_hook).
+# request output of the iteration was (see record_output).
 _OUTPUTS_ATTR = "_rocketkv_outputs"
-_HOOKED = "_rocketkv_metrics_hook"
 # Attribute of the frontend's RequestState holding the request's own budget.
 _BUDGET_ATTR = "_rocketkv_token_budget"
 
@@ -82,7 +75,7 @@ class RequestOutputFact:
     was_prefilling: bool  # the output that ends the prefill
     num_new_tokens: int
     num_generated: int  # the request's generated tokens, this output included
-    token_budget: int | None = None  # the request's own (request_budget)
+    token_budget: int | None = None  # the request's own (requests)
 
 
 @dataclass(frozen=True)
@@ -115,80 +108,43 @@ def decode_tokens_attended(settings: RocketKVSettings, plan: RequestPlan,
     (the step's own token included) is ``seq_len`` tokens long.
 
     The step's view is the compacted prompt plus everything from the tail
-    block on; Stage 2 selects ``max(topk // page_size, 1)`` of its pages, plus
-    the current page with ``force_current_page``, at most every page.
-    Selected pages count as whole pages, capped at the view's token count.
+    block on; Stage 2 selects ``plan.pages_selected`` of its pages, plus the
+    current page with ``force_current_page``, at most every page. Selected
+    pages count as whole pages, capped at the view's token count.
     """
     ps = settings.page_size
-    tail_tokens = seq_len - plan.tail_start
-    view_tokens = plan.num_compact + tail_tokens
-    view_pages = -(-plan.num_compact // ps) + -(-tail_tokens // ps)
-    select = max(plan.topk // ps, 1) + (1 if settings.force_current_page else 0)
-    return min(min(select, view_pages) * ps, view_tokens)
+    view_tokens = plan.num_compact + seq_len - plan.tail_start
+    pages = view_pages(plan.num_compact, plan.tail_start, seq_len, ps)
+    select = plan.pages_selected(ps) + (1 if settings.force_current_page else 0)
+    return min(min(select, pages) * ps, view_tokens)
 
 
-def settings_for(vllm_config) -> RocketKVSettings:
-    """The engine's resolved ROCKETKV settings (what the engine resolves)."""
-    extra = vllm_config.additional_config or {}
-    raw = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-    model_config = vllm_config.model_config
-    return resolve_settings(
-        parse_config(raw or {}),
-        block_size=vllm_config.cache_config.block_size,
-        head_dim=model_config.get_head_size(),
-        max_model_len=model_config.max_model_len,
-    )
+def remember_request(req_state, request) -> None:
+    """The request's own budget, on the frontend's RequestState (called by
+    the ``OutputProcessor.add_request`` wrapper, ``vllm_patches``)."""
+    if req_state is not None:
+        setattr(req_state, _BUDGET_ATTR, planned_budget(request.sampling_params))
 
 
-def _install_output_hook() -> bool:
-    """Record, on each IterationStats, every request output of the iteration
-    with its request's prompt length, generated-token count and budget.
+def record_output(req_state, engine_core_output, iteration_stats,
+                  was_prefilling: bool) -> None:
+    """Record, on the iteration's IterationStats, one fact per request output
+    with its request's prompt length, generated-token count and budget
+    (called by the ``OutputProcessor._update_stats_from_output`` wrapper).
 
     vLLM's IterationStats keeps only batch totals of prompt tokens, and its
     per-request FinishedRequestStats are not made for aborted requests (a
     client that disconnects), whose prompt may well have been compressed.
-    The hook wraps the one place where the frontend turns an engine output
-    into stats; it adds one small record per output.
     """
-    from vllm.v1.engine.output_processor import OutputProcessor
-
-    if getattr(OutputProcessor, _HOOKED, False):
-        return True
-    original_add = OutputProcessor.add_request
-    original = OutputProcessor._update_stats_from_output
-    expected = ["self", "req_state", "engine_core_output",
-                "engine_core_timestamp", "iteration_stats"]
-    if list(inspect.signature(original).parameters) != expected:
-        logger.warning("ROCKETKV metrics disabled: vLLM's "
-                       "OutputProcessor._update_stats_from_output changed.")
-        return False
-
-    def add_request(self, request, *args, **kwargs):
-        original_add(self, request, *args, **kwargs)
-        state = self.request_states.get(request.request_id)
-        if state is not None:
-            setattr(state, _BUDGET_ATTR, planned_budget(request.sampling_params))
-
-    def _update_stats_from_output(self, req_state, engine_core_output,
-                                  engine_core_timestamp, iteration_stats):
-        was_prefilling = req_state.is_prefilling
-        original(self, req_state, engine_core_output, engine_core_timestamp,
-                 iteration_stats)
-        if iteration_stats is None or req_state.stats is None:
-            return
-        num_new = len(engine_core_output.new_token_ids)
-        if num_new == 0:
-            return
-        outputs = iteration_stats.__dict__.setdefault(_OUTPUTS_ATTR, [])
-        outputs.append(RequestOutputFact(
-            req_state.request_id, req_state.prompt_len, was_prefilling, num_new,
-            req_state.stats.num_generation_tokens,
-            getattr(req_state, _BUDGET_ATTR, None)))
-
-    OutputProcessor.add_request = add_request
-    OutputProcessor._update_stats_from_output = _update_stats_from_output
-    setattr(OutputProcessor, _HOOKED, True)
-    return True
+    if iteration_stats is None or req_state.stats is None:
+        return
+    num_new = len(engine_core_output.new_token_ids)
+    if num_new == 0:
+        return
+    outputs = iteration_stats.__dict__.setdefault(_OUTPUTS_ATTR, [])
+    outputs.append(RequestOutputFact(
+        req_state.request_id, req_state.prompt_len, was_prefilling, num_new,
+        req_state.stats.num_generation_tokens, getattr(req_state, _BUDGET_ATTR, None)))
 
 
 def unregister_rocketkv_metrics(registry=REGISTRY) -> None:
@@ -197,19 +153,12 @@ def unregister_rocketkv_metrics(registry=REGISTRY) -> None:
             registry.unregister(collector)
 
 
-def is_rocketkv_engine(vllm_config) -> bool:
-    from rocketkv_vllm.plugin import is_rocketkv
-
-    attention = getattr(vllm_config, "attention_config", None)
-    return attention is not None and is_rocketkv(attention.backend)
-
-
 class RocketKVStatLogger(AggregateStatLoggerBase):
     """Prometheus metrics for ROCKETKV engines; inert for any other engine."""
 
     def __init__(self, vllm_config, engine_indexes: list[int] | None = None):
         self.engine_indexes = list(engine_indexes or [0])
-        self.enabled = is_rocketkv_engine(vllm_config) and _install_output_hook()
+        self.enabled = is_rocketkv_engine(vllm_config)
         if not self.enabled:
             return
         self.settings = settings_for(vllm_config)

@@ -26,14 +26,19 @@ on the same layout; these are their oracle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from rocketkv_vllm.algorithm import (
     hsa_select_pages,
     kt_fp8,
-    snapkv_keep_positions,
     sparse_attention,
+    window_attention_scores,
 )
+from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
+from rocketkv_vllm.plan import pages_selected
 
 
 def kt_row_bytes(head_dim: int, dtype: torch.dtype, kt_dtype: str) -> int:
@@ -261,6 +266,25 @@ def dense_attention(
     return out
 
 
+@dataclass(frozen=True)
+class Stage1Ops:
+    """The three steps of Stage 1 on the paged cache (PyTorch here, Triton in
+    ``triton_ops``): window scores of every prompt key [Hkv, n - w] fp32,
+    the per-head compaction, the KT page builds."""
+
+    window_scores: Callable  # (q_window, k_cache, block_row, n, scale)
+    compact_kept_tokens: Callable  # (k_cache, v_cache, block_row, kept)
+    write_kt_pages: Callable  # (k_cache, kt_cache, block_row, lo, hi, page_size)
+
+
+def window_scores(q_window, k_cache, block_row, n: int, scale: float) -> torch.Tensor:
+    """``algorithm.window_attention_scores`` of the request's prompt keys."""
+    return window_attention_scores(q_window, prompt_keys(k_cache, block_row, n), scale)
+
+
+STAGE1_OPS = Stage1Ops(window_scores, compact_kept_tokens, write_kt_pages)
+
+
 def snapkv_compress(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -273,30 +297,31 @@ def snapkv_compress(
     kernel_size: int,
     page_size: int,
     scale: float,
+    ops: Stage1Ops = STAGE1_OPS,
 ) -> torch.Tensor:
     """Stage 1 on the paged cache of one request: choose, compact, build KT.
 
     Returns the kept positions [Hkv, prompt_budget] (for tests and stats).
     With prompt_budget >= num_prompt_tokens every position is kept
     (tail_start is then num_compact: the view is the whole prompt) and only
-    the KT pages are written.
+    the KT pages are written. Ties among pooled scores may be broken
+    differently by other ``ops`` (kernels), so kept sets can differ on
+    plateaus (equal scores).
     """
-    n = num_prompt_tokens
+    n = int(num_prompt_tokens)
     window = q_window.shape[0]
     if prompt_budget >= n:
         # Nothing to evict (rocketkv.evict=false): identity selection, no
         # scoring, no move; only the KT pages of the whole prompt.
-        write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
+        ops.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
         return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-    keys = prompt_keys(k_cache, block_row, n)
-    kept = snapkv_keep_positions(
-        q_window, keys, scale, prompt_budget, kernel_size,
-        protect_from=min(n - window, tail_start),
-    )
+    scores = ops.window_scores(q_window, k_cache, block_row, n, scale)
+    kept = keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
+                                      protect_from=min(n - window, tail_start))
     num_compact = prompt_budget - (n - tail_start)
-    compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
-    write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
-    write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
+    ops.compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
+    ops.write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
+    ops.write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
     return kept
 
 
@@ -336,11 +361,11 @@ def hsa_decode(
     page_tokens = (region_end - starts).clamp(0, page_size)
     force = None
     if force_current_page:
-        # An extra page: the top max(topk // ps, 1) come from the others.
+        # An extra page: the top-k pages come from the others.
         force = starts == page_lo
     selected = hsa_select_pages(
         query, kt_min, kt_max, page_valid, topr,
-        max(topk // page_size, 1), force, page_tokens,
+        pages_selected(topk, page_size), force, page_tokens,
     )  # [Hkv, P]
 
     # Tokens of the view, page by page; slots past each region's end masked.

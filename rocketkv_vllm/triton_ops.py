@@ -20,10 +20,11 @@ CPU_ATTN; ``paged.split_kv`` makes them from a vLLM cache), the KT cache as
   S1, S2: split counts from B, Hkv, max_pages / max_select and the SM count.
   No .item(), no data-dependent shapes: CUDA-graph capturable for fixed
   (B, max_pages, max_select).
-* ``snapkv_compress`` -- Stage 1 for one request: ``window_scores`` (2 Triton
-  passes + a few torch ops merging partial softmax statistics), torch
-  max-pool / topk / sort / cat, ``compact_kept_tokens`` (1 Triton launch),
-  ``write_kt_pages`` for [0, num_compact) and [tail_start, N) (2 launches).
+* ``snapkv_compress`` -- Stage 1 for one request (``paged.snapkv_compress``
+  with ``STAGE1_OPS``): ``window_scores`` (2 Triton passes + a few torch ops
+  merging partial softmax statistics), torch max-pool / topk / sort / cat,
+  ``compact_kept_tokens`` (1 Triton launch), ``write_kt_pages`` for
+  [0, num_compact) and [tail_start, N) (2 launches).
   It happens not to synchronise with the host either (a sync would be
   allowed: it runs once per request, at the end of its prefill).
 * ``hsa_decode_batch_reference`` -- the batched oracle: ``paged.hsa_decode``
@@ -38,7 +39,6 @@ from __future__ import annotations
 import torch
 
 from rocketkv_vllm import paged
-from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
 from rocketkv_vllm.kernels.dense_decode import dense_decode
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages
@@ -55,7 +55,6 @@ __all__ = [
     "kt_update",
     "select_pages",
     "snapkv_compress",
-    "snapkv_keep_positions",
     "sparse_decode",
     "window_scores",
     "write_kt_pages",
@@ -63,58 +62,14 @@ __all__ = [
 ]
 
 
-def snapkv_keep_positions(
-    k_cache: torch.Tensor,
-    block_row: torch.Tensor,
-    q_window: torch.Tensor,
-    num_prompt_tokens: int,
-    prompt_budget: int,
-    kernel_size: int,
-    protect_from: int,
-    scale: float,
-) -> torch.Tensor:
-    """``algorithm.snapkv_keep_positions`` on the paged prompt keys:
-    kept positions [Hkv, prompt_budget] int64, each row sorted."""
-    n = int(num_prompt_tokens)
-    scores = window_scores(q_window, k_cache, block_row, n, scale)
-    return keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
-                                      protect_from)
+STAGE1_OPS = paged.Stage1Ops(window_scores, compact_kept_tokens, write_kt_pages)
 
 
-def snapkv_compress(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kt_cache: torch.Tensor,
-    block_row: torch.Tensor,
-    q_window: torch.Tensor,
-    num_prompt_tokens: int,
-    prompt_budget: int,
-    tail_start: int,
-    kernel_size: int,
-    page_size: int,
-    scale: float,
-) -> torch.Tensor:
-    """Stage 1 for one request; same signature and effect as
-    ``paged.snapkv_compress`` (kept positions [Hkv, prompt_budget] returned).
-    Ties among pooled scores may be broken differently than torch's CPU
-    topk, so the kept set can differ on plateaus (equal scores).
-    prompt_budget >= num_prompt_tokens keeps everything (only KT pages)."""
-    n = int(num_prompt_tokens)
-    window = q_window.shape[0]
-    if prompt_budget >= n:
-        # Nothing to evict (rocketkv.evict=false): no scoring, no move; the
-        # view is the whole prompt, only its KT pages are written.
-        write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
-        return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-    kept = snapkv_keep_positions(
-        k_cache, block_row, q_window, n, prompt_budget, kernel_size,
-        min(n - window, tail_start), scale,
-    )
-    num_compact = prompt_budget - (n - tail_start)
-    compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
-    write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
-    write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
-    return kept
+def snapkv_compress(*args, **kwargs) -> torch.Tensor:
+    """``paged.snapkv_compress`` with the Triton kernels (same arguments and
+    result; ties among pooled scores may be broken differently than torch's
+    CPU topk, so the kept set can differ on plateaus of equal scores)."""
+    return paged.snapkv_compress(*args, **kwargs, ops=STAGE1_OPS)
 
 
 def hsa_decode_batch(

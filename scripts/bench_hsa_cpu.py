@@ -43,8 +43,9 @@ def main() -> None:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from rocketkv_vllm import batched, paged
-    from rocketkv_vllm.backend import cpu_kv_layout
-    from rocketkv_vllm.config import RocketKVConfig, plan_request, resolve_settings
+    from rocketkv_vllm.backend.native import cpu_kv_layout
+    from rocketkv_vllm.config import RocketKVConfig, resolve_settings
+    from rocketkv_vllm.plan import plan_request
 
     dtype, bs, hkv, g, d = torch.bfloat16, 32, args.kv_heads, args.group, args.head_dim
     isa = _get_attn_isa(dtype, bs, d)

@@ -27,7 +27,7 @@ context + generated). Methods:
   such a request has: ``num_compact`` kept tokens compacted onto its first
   blocks, the tail from ``tail_start`` in place, the freed blocks null;
   launched with the shapes of the backend's FULL decode graphs
-  (``decode_graphs.shape_for``: max_pages = max_model_len / ps + 1,
+  (``plan.shape_for``: max_pages = max_model_len / ps + 1,
   max_select = max_topk // ps; the kernels loop over each row's own view
   pages = ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps)).
   Per-kernel eager times of the four stages are added.
@@ -46,7 +46,7 @@ capture worked (``timing`` = "graph"), else the eager time (``timing`` =
 "eager", ``graph_error`` says why); ``ms_eager``, ``ms_graph`` and
 ``host_ms`` (median host time to launch the eager call) are kept. vLLM runs
 FLASH_ATTN / TRITON_ATTN decode inside full CUDA graphs, and ROCKETKV's
-decode attention too (``decode_graphs``: one-token decode steps replay FULL
+decode attention too (``backend.graphs``: one-token decode steps replay FULL
 graphs), so ``ms`` compares like with like.
 
 Bytes (``bytes``; ``gbps`` = bytes / ms; ``pct_copy`` = share of
@@ -89,13 +89,9 @@ try:  # config.py imports yaml (preset files); a bare GPU host may lack it
 except ImportError:  # pragma: no cover
     sys.modules["yaml"] = types.ModuleType("yaml")
 
-from rocketkv_vllm import decode_graphs, paged, triton_ops  # noqa: E402
-from rocketkv_vllm.config import (  # noqa: E402
-    max_topk,
-    parse_config,
-    plan_request,
-    resolve_settings,
-)
+from rocketkv_vllm import paged, triton_ops  # noqa: E402
+from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
+from rocketkv_vllm.plan import max_topk, plan_request, shape_for  # noqa: E402
 from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
 from rocketkv_vllm.kernels.kt_update import kt_update  # noqa: E402
@@ -440,7 +436,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
         return None, f"{label}: seq_len {seq_len} > max_model_len {mml}"
     view_pages = cdiv(nc, ps) + cdiv(seq_len - ts, ps)
     # the launch shapes of the backend's FULL decode graphs
-    shape = decode_graphs.shape_for(settings, mml, batch)
+    shape = shape_for(settings, mml, batch)
     max_pages, max_select = shape.max_pages, shape.max_select
     n_sel = min(max(plan.topk // ps, 1), view_pages, max_select)
     compact_blocks, tail_blocks = cdiv(nc, bs), cdiv(seq_len - ts, bs)

@@ -24,10 +24,6 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-if importlib.util.find_spec("rocketkv_vllm") is None:
-    # Not pip-installed: use the checkout this script lives in.
-    sys.path.append(str(Path(__file__).resolve().parents[1]))
-
 MAX_MODEL_LEN = 8192
 
 
@@ -73,7 +69,7 @@ def kept_tokens(llm: Any, backend: str, num_prompt_tokens: int) -> str:
     """KV tokens kept per KV head for this prompt, as a printable string."""
     if not is_rocketkv(backend):
         return f"{num_prompt_tokens} (dense backend keeps all)"
-    from rocketkv_vllm.engine_config import kept_tokens_for_prompt
+    from rocketkv_vllm.engine import kept_tokens_for_prompt
 
     return str(kept_tokens_for_prompt(llm.llm_engine.vllm_config, num_prompt_tokens))
 
@@ -108,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens + args.max_tokens > MAX_MODEL_LEN:
         sys.exit(f"--tokens + --max-tokens must be <= {MAX_MODEL_LEN}")
 
-    from rocketkv_vllm.needle import build_needle_prompt, is_correct
+    from rocketkv_eval.needle import build_needle_prompt, is_correct
 
     t0 = time.perf_counter()
     if args.model is None:
-        from rocketkv_vllm.model import prepare_default_model
+        from rocketkv_eval.model import prepare_default_model
 
         model = prepare_default_model()
     else:

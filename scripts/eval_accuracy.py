@@ -1,6 +1,6 @@
 """Offline long-context accuracy: dense vs SnapKV, Quest, oracle top-k, RocketKV.
 
-Synthetic RULER-style tasks (``rocketkv_vllm.eval_tasks``: niah_single,
+Synthetic RULER-style tasks (``rocketkv_eval.tasks``: niah_single,
 niah_multikey, niah_multivalue, niah_multiquery, vt), sized with the model's
 own tokenizer to exact prompt lengths, run through real vLLM (in-process
 engine, greedy, prefix caching off, enforce_eager). One engine per
@@ -94,9 +94,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from rocketkv_vllm import eval_tasks  # noqa: E402
+from rocketkv_eval import tasks as eval_tasks  # noqa: E402
 
 METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
 DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant on request (--methods)
@@ -355,7 +354,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from rocketkv_vllm.model import prepare_default_model
+    from rocketkv_eval.model import prepare_default_model
 
     tasks = [t for t in args.tasks.split(",") if t]
     for t in tasks:

@@ -195,7 +195,7 @@ def compare(ref: list, ours: list, tie_gap: float) -> dict:
 def cmd_engines(args) -> int:
     from transformers import AutoTokenizer
 
-    from rocketkv_vllm.needle import build_needle_prompt, is_correct
+    from rocketkv_eval.needle import build_needle_prompt, is_correct
 
     tok = AutoTokenizer.from_pretrained(args.model)
     eq_prompts = [
@@ -311,7 +311,7 @@ def _kill_group(proc, timeout=30) -> None:
 def cmd_serve(args) -> int:
     import urllib.request
 
-    from rocketkv_vllm.needle import build_needle_prompt
+    from rocketkv_eval.needle import build_needle_prompt
 
     port = _free_port()
     vllm_cmd = [shutil.which("vllm")] if shutil.which("vllm") else \

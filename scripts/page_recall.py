@@ -18,8 +18,6 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def main() -> None:
@@ -35,9 +33,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from rocketkv_vllm import eval_tasks
+    from rocketkv_eval import tasks as eval_tasks
     from rocketkv_vllm.algorithm.hsa import hsa_select_pages
-    from rocketkv_vllm.model import prepare_default_model
+    from rocketkv_eval.model import prepare_default_model
 
     path = prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(path)

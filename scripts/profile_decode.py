@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # profile in-process
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import parse_method  # noqa: E402  (same method syntax)
+from rocketkv_eval.e2e import parse_method  # same method syntax as bench_e2e.py
 
 
 def main() -> None:
@@ -42,8 +40,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rocketkv_vllm.model import prepare_default_model
-    from rocketkv_vllm.needle import build_needle_prompt
+    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.needle import build_needle_prompt
 
     model = args.model or prepare_default_model()
     tok = AutoTokenizer.from_pretrained(model)

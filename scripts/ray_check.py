@@ -62,8 +62,8 @@ def main() -> int:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    from rocketkv_vllm import eval_tasks
-    from rocketkv_vllm.model import prepare_default_model
+    from rocketkv_eval import tasks as eval_tasks
+    from rocketkv_eval.model import prepare_default_model
 
     model = args.model or prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -20,7 +20,7 @@ ENGINE_KW = dict(
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from rocketkv_vllm.model import prepare_default_model
+    from rocketkv_eval.model import prepare_default_model
 
     return prepare_default_model()
 
@@ -32,27 +32,20 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def load_script(name: str):
-    """A module from scripts/ (not a package), imported by file path."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def make_llm(model_path: str, backend: str, rocketkv: dict | None = None, **kw):
+def make_llm(model_path: str, backend: str, rocketkv: dict | None = None,
+             testing: dict | None = None, **kw):
+    """A real engine; ``testing``: ROCKETKV's test aids (config.TestAids)."""
     from vllm import LLM
 
     args = dict(ENGINE_KW)
     args.update(kw)
+    extra = {}
     if rocketkv is not None:
-        args["additional_config"] = {"rocketkv": rocketkv}
+        extra["rocketkv"] = rocketkv
+    if testing:
+        extra["rocketkv_testing"] = testing
+    if extra:
+        args["additional_config"] = extra
     return LLM(model=model_path, attention_backend=backend, **args)
 
 

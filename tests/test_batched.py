@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rocketkv_vllm import batched, paged
-from rocketkv_vllm.config import RequestPlan
+from rocketkv_vllm.plan import RequestPlan
 
 NUM_BLOCKS = 210
 

@@ -14,25 +14,28 @@ import pytest
 import torch
 
 from rocketkv_vllm import batched, paged
-from rocketkv_vllm.config import plan_request
+from rocketkv_vllm.plan import plan_request
 
 BS = 16
 HKV, G, D = 3, 3, 64
 
 
-def _make_builder(model_path, rocketkv: dict, max_model_len: int):
+def _make_builder(model_path, rocketkv: dict, max_model_len: int, testing=None):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from rocketkv_vllm import plugin
-    from rocketkv_vllm.backend import RocketKVBackend, RocketKVMetadataBuilder
+    from rocketkv_vllm.backend import RocketKVBackend
+    from rocketkv_vllm.backend.metadata import RocketKVMetadataBuilder
 
     plugin.register()
+    extra = {"rocketkv": rocketkv}
+    if testing:
+        extra["rocketkv_testing"] = testing
     cfg = EngineArgs(
         model=model_path, attention_backend="ROCKETKV", dtype="float32",
-        max_model_len=max_model_len, enforce_eager=True,
-        additional_config={"rocketkv": rocketkv},
+        max_model_len=max_model_len, enforce_eager=True, additional_config=extra,
     ).create_engine_config()
     with set_current_vllm_config(cfg):
         spec = RocketKVBackend.customize_spec(FullAttentionSpec(
@@ -96,17 +99,35 @@ def test_capture_and_dummy_batches_without_prompt_lengths_are_dense(builder):
     assert md.decode is None and not md.stage1_rows and not md.recompute
 
 
-def test_v2_reads_prompt_lengths_only_for_new_requests(builder):
+def _v2_new_requests(builder, slots_and_lengths, budgets=None):
+    """What Model Runner V2's add_requests hook records (vllm_patches):
+    each new request's slot, prompt length and own budget."""
+    from types import SimpleNamespace
+
+    new, index = [], {}
+    for i, (slot, n) in enumerate(slots_and_lengths):
+        budget = None if budgets is None else budgets[i]
+        args = None if budget is None else {"rocketkv_token_budget": budget}
+        new.append(SimpleNamespace(req_id=f"q{slot}", prompt_len=n,
+                                   sampling_params=SimpleNamespace(extra_args=args)))
+        index[f"q{slot}"] = slot
+    builder.state.requests.v2_add(SimpleNamespace(scheduled_new_reqs=new), index)
+
+
+def test_v2_never_reads_prompt_lengths_from_the_device(builder):
+    """Under Model Runner V2 the lengths come from the new requests the
+    runner is sent (recorded per slot by its add_requests hook), so no step
+    waits for the device tensor, also with prefix caching (a new request's
+    first chunk may start past a cache hit)."""
     s = builder.settings
     table = _block_table(3)
     reads = builder.prompt_lengths.device_reads
     Lens.reads = 0
     # Step 1: a compressed request decoding, a short one decoding, a long
     # prompt's first chunk (all three slots new to the builder).
+    _v2_new_requests(builder, [(5, 3000), (2, 100), (7, 5000)])
     md = builder.build(0, _cm([(3000, 1, 3000), (119, 1, 100), (0, 512, 5000)],
                               table, req_idx=[5, 2, 7]))
-    assert builder.prompt_lengths.device_reads == reads + 1
-    assert Lens.reads == 1
     plan = plan_request(s, 3000)
     assert plan.compress and not plan_request(s, 100).compress
     assert md.decode is not None
@@ -119,24 +140,25 @@ def test_v2_reads_prompt_lengths_only_for_new_requests(builder):
     assert torch.equal(md.decode.block_table, table[[0]])
     assert not md.stage1_rows and not md.window_rows
 
-    # Step 2: same requests, no new one. The device tensor now holds
-    # nonsense: a builder that read it would plan differently.
+    # Step 2: same requests, no new one. The device tensor holds nonsense:
+    # a builder that read it would plan differently.
     md = builder.build(0, _cm([(3001, 1, 0), (120, 1, 0), (512, 512, 0)],
                               table, req_idx=[5, 2, 7]))
-    assert builder.prompt_lengths.device_reads == reads + 1
-    assert Lens.reads == 1
     assert md.decode.seq_lens.tolist() == [3002]
 
     # Step 3: the long prompt's last chunk (Stage 1 and its window), and
-    # slot 5 reused by a new short request: read again, planned afresh.
-    md = builder.build(0, _cm([(0, 40, 40), (121, 1, 100), (4608, 392, 5000)],
+    # slot 5 reused by a new short request whose first chunk starts after a
+    # prefix-cache hit of 32 tokens: planned afresh.
+    _v2_new_requests(builder, [(5, 72)])
+    md = builder.build(0, _cm([(32, 40, 0), (121, 1, 100), (4608, 392, 5000)],
                               table, req_idx=[5, 2, 7]))
-    assert builder.prompt_lengths.device_reads == reads + 2
     assert md.decode is None
     assert [(r.q_start, r.q_end, r.context_len) for r in md.stage1_rows] == [
         (41, 433, 4608)]
     assert md.stage1_rows[0].key == 7
     assert md.stage1_rows[0].plan == plan_request(s, 5000)
+    assert builder.prompt_lengths.device_reads == reads
+    assert Lens.reads == 0
 
 
 def test_v1_prompt_lengths_on_the_host(builder):
@@ -195,9 +217,8 @@ def _check_against_oracle(s, got, query, k, v, oracle_kt, table, prompts: dict[i
 
 
 def test_decode_rows_drive_stage2_like_the_oracle(builder):
-    """The builder's decode rows through the CPU decode path (the C++ kernel
-    where it builds, else batched PyTorch) give the per-request oracle's
-    output."""
+    """The builder's decode rows through the engine's Stage 2 give the
+    per-request oracle's output."""
     s = builder.settings
     prompts = [3000, 1800, 700]
     gen = torch.Generator().manual_seed(0)
@@ -207,43 +228,35 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
     rows = md.decode
     query = torch.randn(len(prompts), HKV * G, D, generator=gen)
     oracle_kt = kt.clone()
-    if builder.use_native_cpu:  # what the engine runs on CPU
-        from rocketkv_vllm import cpu_ops
-
-        got = cpu_ops.hsa_decode_batch(
-            query, kv, kt, "cpu_vec", rows.block_table, rows.num_compact,
-            rows.tail_start, rows.seq_lens, rows.topr, rows.num_select, s.page_size,
-            D**-0.5, s.force_current_page)
-    else:
-        got = batched.hsa_decode_batch(
-            query, k, v, kt, rows.block_table, rows.seq_lens, rows.pages, rows.topr,
-            rows.num_select, rows.max_select, s.page_size, D**-0.5,
-            s.force_current_page)
+    # The engine's Stage 2 on CPU (the C++ kernel where it builds, else
+    # batched PyTorch), through the interface the impl calls.
+    assert builder.stage2.kv_layout == "cpu_vec"
+    got = builder.stage2.decode(query, kv, rows, D**-0.5)
     _check_against_oracle(s, got, query, k, v, oracle_kt, table, dict(enumerate(prompts)))
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_rows_follow_their_requests_budgets(builder, runner):
-    """Per-request budgets (``request_budget``) as each model runner's hook
+    """Per-request budgets (``requests``) as each model runner's hook
     leaves them: V2 per request slot, V1 per row of this step. A row with
     budget 0 stays dense, one with its own budget gets that budget's plan,
     the others the engine's; the selection buffers fit the largest."""
-    from rocketkv_vllm.request_budget import WORKER_BUDGETS
-
     s = builder.settings
+    requests = builder.state.requests
     rows = [(3000, 1, 3000), (3000, 1, 3000), (3000, 1, 3000), (2000, 1, 2000)]
     budgets = [0, 2048, None, 64]
     try:
         if runner == "v2":
-            WORKER_BUDGETS.by_slot.update(zip((30, 31, 32, 33), budgets))
+            _v2_new_requests(builder, [(30 + i, n) for i, (_, _, n) in enumerate(rows)],
+                             budgets)
             cm = _cm(rows, _block_table(4), req_idx=[30, 31, 32, 33])
         else:
-            WORKER_BUDGETS.rows = budgets[:3]  # a row past the list: no budget
+            requests.rows = budgets[:3]  # a row past the list: no budget
             cm = _cm(rows, _block_table(4), prompt_lens="v1")
         md = builder.build(0, cm)
     finally:
-        WORKER_BUDGETS.by_slot.clear()
-        WORKER_BUDGETS.rows = []
+        requests.by_slot.clear()
+        requests.rows = []
     plans = [plan_request(s, n, b) for (_, _, n), b in zip(rows, budgets)]
     if runner == "v1":
         plans[3] = plan_request(s, 2000)
@@ -256,31 +269,36 @@ def test_rows_follow_their_requests_budgets(builder, runner):
     assert md.decode.max_select >= max(p.topk // s.page_size for p in plans[1:])
 
 
+class _EngineConfig:
+    """Stands in for an engine's VllmConfig (the key of its worker state)."""
+
+
 def test_model_runner_hooks_record_budgets_per_slot_and_row():
-    """The hooks wrap two vLLM internals (checked by signature) and leave
-    each request's budget where the builder looks: V2 by the slot its request
-    table gives it, V1 by row after the persistent batch is reordered."""
-    import inspect
+    """The hooks (vllm_patches) wrap two vLLM internals, checked by
+    signature, and leave each request's budget where the builder looks: V2
+    by the slot its request table gives it, V1 by row after the persistent
+    batch is reordered. Engines with another backend are left alone."""
     from types import SimpleNamespace
 
-    import vllm.v1.worker.gpu.model_runner as v2
-    import vllm.v1.worker.gpu_model_runner as v1
+    from rocketkv_vllm import vllm_patches
+    from rocketkv_vllm.state import worker_state
 
-    from rocketkv_vllm import request_budget
-    from rocketkv_vllm.request_budget import WORKER_BUDGETS
+    for name in ("add_requests", "_update_states"):
+        [patch] = [p for p in vllm_patches.PATCHES
+                   if p.owner == "GPUModelRunner" and p.name == name]
+        assert vllm_patches.installed(patch)  # and its signature matched
 
-    assert list(inspect.signature(v2.GPUModelRunner.add_requests).parameters) == [
-        "self", "scheduler_output"]
-    assert list(inspect.signature(v1.GPUModelRunner._update_states).parameters) == [
-        "self", "scheduler_output"]
-
-    def new(req_id, budget):
+    def new(req_id, budget, n=10):
         args = None if budget is None else {"rocketkv_token_budget": budget}
-        return SimpleNamespace(req_id=req_id, sampling_params=SimpleNamespace(
+        return SimpleNamespace(req_id=req_id, prompt_len=n, sampling_params=SimpleNamespace(
             extra_args=args))
 
+    ours, other = _EngineConfig(), _EngineConfig()  # two engines' configs
+    state = worker_state(ours)
+
     class V2Runner:  # what add_requests does to the request table
-        def __init__(self):
+        def __init__(self, vllm_config):
+            self.vllm_config = vllm_config
             self.req_states = SimpleNamespace(req_id_to_index={})
 
         def add_requests(self, out):
@@ -289,7 +307,8 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
                     self.req_states.req_id_to_index)
 
     class V1Runner:  # _update_states ends with the batch in its final order
-        def __init__(self):
+        def __init__(self, vllm_config):
+            self.vllm_config = vllm_config
             self.input_batch = SimpleNamespace(req_ids=[])
 
         def _update_states(self, out):
@@ -297,33 +316,35 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
             ids += [r.req_id for r in out.scheduled_new_reqs]
             self.input_batch.req_ids = sorted(ids)
 
-    request_budget._hook_v2_runner(V2Runner)
-    request_budget._hook_v1_runner(V1Runner)
-    try:
-        runner = V2Runner()
-        runner.add_requests(SimpleNamespace(scheduled_new_reqs=[
-            new("a", 0), new("b", None), new("c", 512)]))
-        cm = SimpleNamespace(num_reqs=3, req_idx=np.array([4, 2, 3]))
-        assert WORKER_BUDGETS.for_rows(cm) == [512, 0, None]
+    V2Runner.add_requests = vllm_patches._v2_add_requests(V2Runner.add_requests)
+    V1Runner._update_states = vllm_patches._v1_update_states(V1Runner._update_states)
 
-        runner = V1Runner()
-        runner._update_states(SimpleNamespace(
-            finished_req_ids=set(), scheduled_new_reqs=[new("z", 64), new("y", None)]))
-        assert WORKER_BUDGETS.for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
-            None, 64]
-        runner._update_states(SimpleNamespace(
-            finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
-        assert WORKER_BUDGETS.for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
-            0, None]
-        assert "z" not in WORKER_BUDGETS.by_request
-    finally:
-        WORKER_BUDGETS.by_slot.clear()
-        WORKER_BUDGETS.by_request.clear()
-        WORKER_BUDGETS.rows = []
+    runner = V2Runner(ours)
+    runner.add_requests(SimpleNamespace(scheduled_new_reqs=[
+        new("a", 0, 100), new("b", None), new("c", 512, 300)]))
+    cm = SimpleNamespace(num_reqs=3, req_idx=np.array([4, 2, 3]))
+    assert state.requests.budgets_for_rows(cm) == [512, 0, None]
+    assert state.requests.prompt_lens_for_slots(np.array([4, 2, 9])).tolist() == [
+        300, 100, -1]
+    V2Runner(other).add_requests(SimpleNamespace(scheduled_new_reqs=[new("d", 64)]))
+
+    runner = V1Runner(ours)
+    runner._update_states(SimpleNamespace(
+        finished_req_ids=set(), scheduled_new_reqs=[new("z", 64), new("y", None)]))
+    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
+        None, 64]
+    runner._update_states(SimpleNamespace(
+        finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
+    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
+        0, None]
+    assert "z" not in state.requests.by_request
+    from rocketkv_vllm.state import existing_worker_state
+
+    assert existing_worker_state(other) is None  # another engine: untouched
 
 
 # --------------------------------------------------------------------------
-# FULL CUDA graphs for decode (decode_graphs): a graph replays the launch
+# FULL CUDA graphs for decode (backend.graphs): a graph replays the launch
 # and tensors of its capture; only build() runs for the step.
 
 
@@ -331,11 +352,8 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
 def graph_builder(model_path):
     """A builder that lays decode steps out for FULL graphs (forced here:
     the CPU build captures none) with the Triton kernels."""
-    from rocketkv_vllm import decode_graphs
-
-    yield _make_builder(model_path, {"token_budget": 256, "kernel": "triton",
-                                     "force_graph_layout": True}, 4096)
-    decode_graphs.GUARD = None
+    return _make_builder(model_path, {"token_budget": 256, "kernel": "triton"}, 4096,
+                         testing={"force_graph_layout": True})
 
 
 def _graph_tensors(rows):
@@ -394,51 +412,41 @@ def test_graph_layout_leaves_prompt_steps_and_large_selections_eager(graph_build
     hooks keep vLLM from replaying a graph for it: a one-token prompt chunk
     (here the prompt's last token: Stage 1) and a request whose own budget
     selects more pages than the graph holds."""
-    from rocketkv_vllm import decode_graphs
-    from rocketkv_vllm.request_budget import WORKER_BUDGETS
-
     b = graph_builder
     s = b.settings
     table = _block_table(2)
     b.build(0, _cm([(5, 1, 0)] * 2, table, prompt_lens=None))  # sets the guard
+    guard = b.state.graph_guard
+    _v2_new_requests(b, [(1, 3000), (2, 3000)])
     md = b.build(0, _cm([(3000, 1, 3000), (2999, 1, 3000)], table, req_idx=[1, 2]))
     assert len(md.stage1_rows) == 1 and not md.decode.in_place
-    assert decode_graphs.needs_eager(np.array([False, True]), [None, None])
+    assert guard.needs_eager(np.array([False, True]), [None, None])
 
     big = 8 * 256  # selects 4x the pages of the engine's budget
-    try:
-        WORKER_BUDGETS.by_slot.update({1: big, 2: None})
-        md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
-    finally:
-        WORKER_BUDGETS.by_slot.clear()
+    _v2_new_requests(b, [(1, 3000), (2, 3000)], [big, None])
+    md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
     assert not md.decode.in_place
     assert md.decode.topk.tolist() == [plan_request(s, 3000, big).topk,
                                        plan_request(s, 3000).topk]
-    assert decode_graphs.needs_eager(np.array([False, False]), [big, None])
-    assert not decode_graphs.needs_eager(np.array([False, False]), [256, 0, None])
+    assert guard.needs_eager(np.array([False, False]), [big, None])
+    assert not guard.needs_eager(np.array([False, False]), [256, 0, None])
+    _v2_new_requests(b, [(1, 3000), (2, 3000)])
     md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
     assert md.decode.in_place
 
 
 def test_graph_hooks_wrap_the_runners_dispatch_inputs():
     """The hooks wrap the two vLLM internals that decide whether a step is a
-    uniform decode (checked by signature and by the fields they use)."""
-    import inspect
-
+    uniform decode (checked by signature at install and by the fields they
+    use)."""
     import vllm.v1.worker.gpu.model_runner as v2
-    import vllm.v1.worker.gpu_model_runner as v1
 
-    from rocketkv_vllm import decode_graphs
+    from rocketkv_vllm import vllm_patches
 
-    decode_graphs.install_hooks()
-    wrapped = v1.GPUModelRunner._determine_batch_execution_and_padding
-    params = list(inspect.signature(wrapped.__wrapped__).parameters)
-    assert params[:5] == ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
-                          "max_num_scheduled_tokens"]
-    assert "force_uniform_decode" in params
-    wrapped = v2.GPUModelRunner.gather_batch_req_state
-    assert list(inspect.signature(wrapped.__wrapped__).parameters) == [
-        "self", "scheduler_output", "dummy_run"]
+    for name in ("_determine_batch_execution_and_padding", "gather_batch_req_state"):
+        [patch] = [p for p in vllm_patches.PATCHES
+                   if p.owner == "GPUModelRunner" and p.name == name]
+        assert vllm_patches.installed(patch)
     assert {"is_prefilling_np", "idx_mapping_np", "decode_graph_eligible"} <= set(
         v2.BatchReqState._fields)
 
@@ -451,11 +459,17 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
     from collections import namedtuple
     from types import SimpleNamespace
 
-    from rocketkv_vllm import decode_graphs
-    from rocketkv_vllm.request_budget import WORKER_BUDGETS
+    from rocketkv_vllm import vllm_patches
+    from rocketkv_vllm.backend.graphs import GraphGuard
+    from rocketkv_vllm.plan import DecodeGraphShape
+    from rocketkv_vllm.state import worker_state
+
+    config = _EngineConfig()
+    state = worker_state(config)
 
     class V1Runner:
         def __init__(self, computed, prompts):
+            self.vllm_config = config
             self.input_batch = SimpleNamespace(
                 num_computed_tokens_cpu=np.array(computed),
                 num_prompt_tokens=np.array(prompts))
@@ -470,13 +484,16 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
 
     class V2Runner:
         def __init__(self, state):
+            self.vllm_config = config
             self.state = state
 
         def gather_batch_req_state(self, scheduler_output, dummy_run):
             return self.state, 1
 
-    decode_graphs._hook_v1_runner(V1Runner)
-    decode_graphs._hook_v2_runner(V2Runner)
+    V1Runner._determine_batch_execution_and_padding = vllm_patches._v1_batch_execution(
+        V1Runner._determine_batch_execution_and_padding)
+    V2Runner.gather_batch_req_state = vllm_patches._v2_gather_batch_req_state(
+        V2Runner.gather_batch_req_state)
 
     def v1(computed, prompts, max_q=1):
         return V1Runner(computed, prompts)._determine_batch_execution_and_padding(
@@ -488,27 +505,18 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
         state = State(np.array(slots), np.array(prefilling), True)
         return V2Runner(state).gather_batch_req_state(None, False)
 
-    settings = SimpleNamespace(page_size=4)
-    saved = decode_graphs.GUARD
-    try:
-        decode_graphs.GUARD = None
-        assert v1([10, 99], [10, 100]) is None  # no graph shape: untouched
-        decode_graphs.GUARD = decode_graphs._Guard(
-            decode_graphs.DecodeGraphShape(rows=8, max_pages=1025, max_select=32),
-            settings.page_size)
-        assert v1([10, 50], [10, 40]) is None  # decodes only
-        assert v1([10, 99], [10, 100]) is False  # the prompt's last token
-        assert v1([10, 99], [10, 100], max_q=2) is None  # not a decode step anyway
-        state, count = v2([False, False])
-        assert count == 1 and state.decode_graph_eligible is True
-        state, count = v2([False, True])
-        assert count is None and state.decode_graph_eligible is False
-        WORKER_BUDGETS.by_slot.update({0: 4 * 2 * 32, 1: None})  # 32 pages: fits
-        WORKER_BUDGETS.rows = [4 * 2 * 32, None]
-        assert v2([False, False])[1] == 1 and v1([10, 50], [10, 40]) is None
-        WORKER_BUDGETS.by_slot[0] = WORKER_BUDGETS.rows[0] = 4 * 2 * 33  # 33 pages
-        assert v2([False, False])[1] is None and v1([10, 50], [10, 40]) is False
-    finally:
-        decode_graphs.GUARD = saved
-        WORKER_BUDGETS.by_slot.clear()
-        WORKER_BUDGETS.rows = []
+    assert v1([10, 99], [10, 100]) is None  # no graph shape: untouched
+    state.graph_guard = GraphGuard(
+        DecodeGraphShape(rows=8, max_pages=1025, max_select=32), page_size=4)
+    assert v1([10, 50], [10, 40]) is None  # decodes only
+    assert v1([10, 99], [10, 100]) is False  # the prompt's last token
+    assert v1([10, 99], [10, 100], max_q=2) is None  # not a decode step anyway
+    got, count = v2([False, False])
+    assert count == 1 and got.decode_graph_eligible is True
+    got, count = v2([False, True])
+    assert count is None and got.decode_graph_eligible is False
+    state.requests.by_slot.update({0: 4 * 2 * 32, 1: None})  # 32 pages: fits
+    state.requests.rows = [4 * 2 * 32, None]
+    assert v2([False, False])[1] == 1 and v1([10, 50], [10, 40]) is None
+    state.requests.by_slot[0] = state.requests.rows[0] = 4 * 2 * 33  # 33 pages
+    assert v2([False, False])[1] is None and v1([10, 50], [10, 40]) is False

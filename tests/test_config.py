@@ -4,14 +4,8 @@ import math
 
 import pytest
 
-from rocketkv_vllm.config import (
-    RocketKVConfigError,
-    list_presets,
-    parse_config,
-    plan_request,
-    resolve_settings,
-    split_token_budget,
-)
+from rocketkv_vllm.config import RocketKVConfigError, list_presets, parse_config, resolve_settings
+from rocketkv_vllm.plan import plan_request, split_token_budget
 
 
 @pytest.mark.parametrize("raw,field", [
@@ -189,7 +183,7 @@ def test_no_eviction_plan_keeps_everything_and_frees_nothing():
 def test_bad_request_budget_names_the_field_and_range(value):
     from types import SimpleNamespace
 
-    from rocketkv_vllm.request_budget import planned_budget, request_token_budget
+    from rocketkv_vllm.requests import planned_budget, request_token_budget
 
     args = {"rocketkv_token_budget": value}
     with pytest.raises(RocketKVConfigError) as err:
@@ -202,7 +196,7 @@ def test_bad_request_budget_names_the_field_and_range(value):
 
 
 def test_request_budget_plans_like_an_engine_with_that_budget():
-    from rocketkv_vllm.request_budget import request_token_budget
+    from rocketkv_vllm.requests import request_token_budget
 
     assert request_token_budget(None) is None
     assert request_token_budget({"other": 1}) is None
@@ -221,3 +215,56 @@ def test_request_budget_plans_like_an_engine_with_that_budget():
             assert not off.compress and off.freed_block_range(32) == (0, 0)
             assert plan_request(settings, n, None) == plan_request(settings, n)
     assert plan_request(engines[0], 3000, 1024) != plan_request(engines[0], 3000)
+
+
+def test_readme_configuration_table_is_the_knobs_metadata():
+    """The README's table is generated from RocketKVConfig's field metadata:
+    a knob added, renamed or re-documented without it fails here."""
+    from pathlib import Path
+
+    from rocketkv_vllm.config import config_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("<!-- config-table")
+    table = readme[readme.index("\n", start) + 1: readme.index("<!-- /config-table -->")]
+    assert table.strip() == config_table()
+
+
+def test_test_aids_are_not_user_settings():
+    from rocketkv_vllm.config import RocketKVConfig, TestAids, parse_test_aids
+
+    knobs = {f for f in RocketKVConfig.__dataclass_fields__}
+    assert not knobs & set(TestAids.__dataclass_fields__)
+    with pytest.raises(RocketKVConfigError, match="unknown rocketkv setting"):
+        parse_config({"poison_evicted_blocks": True})
+    assert parse_test_aids({"poison_evicted_blocks": True}).poison_evicted_blocks
+    with pytest.raises(RocketKVConfigError, match="rocketkv_testing.poison"):
+        parse_test_aids({"poison": True})
+
+
+@pytest.mark.parametrize("key", ["rocketKV", "rocket_kv", "RocketKV", "rocket-kv"])
+def test_a_near_miss_of_the_config_key_is_refused(key):
+    from types import SimpleNamespace
+
+    from rocketkv_vllm.engine import raw_config
+
+    with pytest.raises(RocketKVConfigError, match=f"'{key}'.*did you mean 'rocketkv'"):
+        raw_config(SimpleNamespace(additional_config={key: {"token_budget": 256}}))
+    assert raw_config(SimpleNamespace(additional_config={
+        "rocketkv": {"token_budget": 256}, "other_plugin": {}})) == {"token_budget": 256}
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"token_budget: [1, 2\n", "is not YAML at line 2"),
+    (b"token_budget: !!python/object:os.system 1\n", "uses a YAML tag at line 1"),
+    (b"\xff\xfe\x00\x01binary", "binary"),
+    (b"- 1\n- 2\n", "a mapping"),
+])
+def test_a_bad_preset_file_names_the_field_and_the_reason(tmp_path, content, reason):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(RocketKVConfigError) as err:
+        parse_config({"preset": str(path)})
+    message = str(err.value)
+    assert "rocketkv.preset" in message and reason in message
+    assert "os.system" not in message and "[1, 2" not in message  # never the content

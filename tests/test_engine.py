@@ -7,7 +7,7 @@ so these tests also cover loading the backend in a spawned process.
 import pytest
 
 from conftest import greedy, make_llm, shutdown
-from rocketkv_vllm.needle import build_needle_prompt, is_correct
+from rocketkv_eval.needle import build_needle_prompt, is_correct
 
 pytestmark = pytest.mark.engine
 
@@ -99,7 +99,8 @@ def test_per_request_budget_matches_an_engine_with_that_budget(
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
 
-    from rocketkv_vllm.config import parse_config, plan_request, resolve_settings
+    from rocketkv_vllm.config import parse_config, resolve_settings
+    from rocketkv_vllm.plan import plan_request
 
     p1 = build_needle_prompt(tokenizer, 1400, 0.4, seed=31).prompt
     p2 = build_needle_prompt(tokenizer, 2300, 0.6, seed=32).prompt
@@ -133,8 +134,8 @@ def test_per_request_budget_matches_an_engine_with_that_budget(
         return [done[str(i)] for i in range(len(requests))], [
             freed[str(i)] for i in range(len(requests))]
 
-    cfg = {"token_budget": 128, "page_size": 4, "poison_evicted_blocks": True}
-    llm = make_llm(model_path, "ROCKETKV", cfg)
+    cfg = {"token_budget": 128, "page_size": 4}
+    llm = make_llm(model_path, "ROCKETKV", cfg, testing={"poison_evicted_blocks": True})
     requests = [(p1, 0), (p2, 1024), (p1, None), (p2, None)]
     mixed, freed = run(llm, requests)
     alone, _ = run(llm, [(p1, None), (p2, None)])
@@ -220,7 +221,7 @@ def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtyp
     """The Triton kernels (interpreted on CPU) inside the engine: same tokens
     as the PyTorch path, with compression, a mixed batch and a dense row.
     With ``force_graph_layout`` every decode step of both rows is laid out
-    as a FULL CUDA graph replays it (decode_graphs): Stage 2 over both rows
+    as a FULL CUDA graph replays it (backend.graphs): Stage 2 over both rows
     with launch shapes from max_model_len, the dense row left to the native
     backend, written in place."""
     prompts = [build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
@@ -228,16 +229,16 @@ def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtyp
     cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
     torch_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="torch"), prompts, 5)
     triton_ids, _ = _rocketkv_tokens(
-        model_path, dict(cfg, kernel="triton", force_graph_layout=graph_layout),
-        prompts, 5)
+        model_path, dict(cfg, kernel="triton"), prompts, 5,
+        testing={"force_graph_layout": graph_layout})
     assert triton_ids == torch_ids
     logged = "decode steps replay FULL CUDA graphs" in "".join(capfd.readouterr())
     assert logged == graph_layout
 
 
-def _rocketkv_tokens(model_path, cfg, prompts, max_tokens):
+def _rocketkv_tokens(model_path, cfg, prompts, max_tokens, testing=None):
     """(greedy token lists, KV blocks) of a fresh ROCKETKV engine."""
-    llm = make_llm(model_path, "ROCKETKV", cfg)
+    llm = make_llm(model_path, "ROCKETKV", cfg, testing=testing)
     blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     ids, _ = greedy(llm, prompts, max_tokens=max_tokens)
     shutdown(llm)

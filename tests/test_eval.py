@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from rocketkv_vllm import eval_tasks
-from rocketkv_vllm.eval_tasks import NIAH_INTRO, TASKS, make_sample, make_samples, score
+from rocketkv_eval import tasks as eval_tasks
+from rocketkv_eval.tasks import NIAH_INTRO, TASKS, make_sample, make_samples, score
 
 from conftest import make_llm, shutdown
 

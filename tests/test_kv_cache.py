@@ -6,13 +6,13 @@ import random
 import pytest
 import torch
 
-from conftest import load_script
+from rocketkv_eval import capacity
 from rocketkv_vllm.config import parse_config, resolve_settings
 from rocketkv_vllm.kv_cache import RocketKVAttentionSpec, make_rocketkv_spec
 
 
 def _bench():
-    return load_script("bench_capacity")
+    return capacity
 
 
 def test_spec_counts_kt_pages_in_every_block():
@@ -56,8 +56,8 @@ def test_freed_blocks_are_never_read_and_nothing_leaks(model_path):
     # max_model_len request);
     # the six prompts need about 9700.
     tight_bytes = bench.kv_bytes_for_tokens(model_path, 5300, 4)
-    tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes,
-                               dict(cfg, poison_evicted_blocks=True), max_tokens=20,
+    tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes, cfg,
+                               testing={"poison_evicted_blocks": True}, max_tokens=20,
                                max_model_len=4096, dtype="float32")
     assert tight.finished == ample.finished == len(prompts)
     assert tight.outputs == ample.outputs

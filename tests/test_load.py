@@ -1,4 +1,4 @@
-"""The bounded load test (scripts/load_test.py), small: vLLM's default backend
+"""The bounded load test (scripts/load_test.py, rocketkv_eval.load_test), small: vLLM's default backend
 and ROCKETKV, each a real OpenAI server, 8 streamed completions from 4
 concurrent clients, half of them prompts longer than ROCKETKV's budget.
 
@@ -12,13 +12,13 @@ import json
 
 import pytest
 
-from conftest import load_script
+from rocketkv_eval import load_test
 
 pytestmark = pytest.mark.engine
 
 
 def _load_test_module():
-    return load_script("load_test")
+    return load_test
 
 
 def test_prompt_mix_is_seeded_and_exact(tokenizer):

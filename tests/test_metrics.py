@@ -13,12 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rocketkv_vllm.config import (
-    RocketKVSettings,
-    parse_config,
-    plan_request,
-    resolve_settings,
-)
+from rocketkv_vllm.config import RocketKVSettings, parse_config, resolve_settings
+from rocketkv_vllm.plan import plan_request
 
 ROCKETKV = {"token_budget": 256}
 
@@ -155,17 +151,6 @@ def test_stat_logger_follows_each_requests_own_budget():
     assert _sample("rocketkv:prompts_compressed_total") == 2
     assert _sample("rocketkv:prompt_tokens_evicted_total") == (
         2 * n - own.prompt_budget - engine.prompt_budget)
-
-
-def test_output_hook_matches_vllms_output_processor():
-    """The hook wraps a vLLM internal: its signature is checked on install."""
-    from vllm.v1.engine.output_processor import OutputProcessor
-
-    from rocketkv_vllm.metrics import _install_output_hook
-
-    assert _install_output_hook()
-    assert _install_output_hook()  # idempotent
-    assert getattr(OutputProcessor, "_rocketkv_metrics_hook")
 
 
 # ---------------------------------------------------------------------------

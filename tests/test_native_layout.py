@@ -12,7 +12,7 @@ import torch
 from rocketkv_vllm import paged
 
 ops = pytest.importorskip("vllm._custom_ops")
-from rocketkv_vllm.backend import cpu_kv_layout  # noqa: E402
+from rocketkv_vllm.backend.native import cpu_kv_layout  # noqa: E402
 
 
 AMX = torch.cpu._is_amx_tile_supported()

@@ -9,8 +9,9 @@ an explicit thread binding (vLLM's automatic one wants a NUMA node per rank).
 import pytest
 
 from conftest import greedy, make_llm, shutdown
-from rocketkv_vllm.config import parse_config, plan_request, resolve_settings
-from rocketkv_vllm.engine_config import DEFAULT_CPU_BLOCK_SIZE
+from rocketkv_vllm.config import parse_config, resolve_settings
+from rocketkv_vllm.plan import plan_request
+from rocketkv_vllm.engine import DEFAULT_CPU_BLOCK_SIZE
 
 pytestmark = pytest.mark.engine
 
@@ -20,7 +21,7 @@ ROCKETKV = {"token_budget": 128, "max_new_tokens": 16}
 def test_tensor_parallel_3_matches_one_process(model_path, tokenizer, monkeypatch):
     from vllm.inputs import TokensPrompt
 
-    from rocketkv_vllm import eval_tasks
+    from rocketkv_eval import tasks as eval_tasks
 
     samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
     prompts = [TokensPrompt(prompt_token_ids=s.token_ids) for s in samples]

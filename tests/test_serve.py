@@ -147,7 +147,7 @@ def server(model_path):
 @pytest.fixture(scope="module")
 def long_prompt(tokenizer):
     """~1500 tokens of text (the budget is 256: compressed)."""
-    from rocketkv_vllm.needle import build_needle_prompt
+    from rocketkv_eval.needle import build_needle_prompt
 
     case = build_needle_prompt(tokenizer, 1500, 0.5, seed=3)
     assert len(tokenizer(case.prompt)["input_ids"]) > 1200

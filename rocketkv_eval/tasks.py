@@ -26,7 +26,7 @@ tokenizer has one) the answer prefix opens the assistant turn.
 
 Haystacks: ``noise`` (RULER's repeated "The grass is green. The sky is
 blue. ..." block) or ``text`` (the varied everyday sentences of
-``rocketkv_vllm.needle``). Defaults per task are in ``DEFAULT_HAYSTACK``;
+``rocketkv_eval.needle``). Defaults per task are in ``DEFAULT_HAYSTACK``;
 they were chosen so that dense SmolLM2-135M-Instruct scores well (it is tiny;
 the wording and haystack matter a lot more than for an 8B model).
 
@@ -40,7 +40,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rocketkv_vllm.needle import _sentence as _text_sentence
+from rocketkv_eval.needle import _sentence as _text_sentence
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt")
 

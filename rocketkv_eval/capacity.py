@@ -1,0 +1,217 @@
+"""How many long requests decode at once under one KV-cache size: dense vs ROCKETKV.
+
+Sends N long-prompt requests to an in-process vLLM engine with a fixed KV
+cache size and steps it to completion, watching vLLM's own scheduler:
+peak number of requests decoding at once, preemptions, wall time, and KV
+blocks each request holds right after its prefill.
+
+    python scripts/bench_capacity.py                       # CPU, SmolLM2
+    python scripts/bench_capacity.py --json --requests 8 --prompt-tokens 6000
+
+Runs unchanged on a GPU machine (pass --model and --dtype as needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from rocketkv_eval.engines import external_id, held_blocks, in_process, scheduler
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class CapacityResult:
+    method: str
+    budget: int | None
+    requests: int
+    finished: int
+    peak_decoding: int
+    preemptions: int
+    wall_s: float
+    num_blocks: int
+    block_size: int
+    blocks_after_prefill: list[int] = field(default_factory=list)
+    expected_blocks: int | None = None
+    outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+
+def kv_bytes_for_tokens(model_path: str, tokens: int, dtype_bytes: int) -> int:
+    """Plain (dense) KV bytes for `tokens` tokens of the model."""
+    cfg = json.load(open(os.path.join(model_path, "config.json")))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    return tokens * per_token * cfg["num_hidden_layers"]
+
+
+def run_capacity(
+    model_path: str,
+    backend: str,
+    prompts: list[list[int]],
+    kv_cache_bytes: int,
+    rocketkv: dict | None = None,
+    max_tokens: int = 32,
+    block_size: int = 32,
+    dtype: str = "auto",
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int = 8192,
+    engine_kw: dict | None = None,
+    testing: dict | None = None,
+) -> CapacityResult:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(
+        model=model_path, attention_backend=backend, max_model_len=max_model_len,
+        enforce_eager=True, dtype=dtype, block_size=block_size,
+        kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=False,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=len(prompts),
+    )
+    if rocketkv is not None:
+        kw["additional_config"] = {"rocketkv": rocketkv}
+        if testing:  # ROCKETKV's test aids (config.TestAids)
+            kw["additional_config"]["rocketkv_testing"] = testing
+    kw.update(engine_kw or {})
+    with in_process():
+        llm = LLM(**kw)
+    engine = llm.llm_engine
+    sched = scheduler(llm)
+    num_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    preemptions = 0
+    original_preempt = sched._preempt_request
+
+    def counting_preempt(*args, **kwargs):
+        nonlocal preemptions
+        preemptions += 1
+        return original_preempt(*args, **kwargs)
+
+    sched._preempt_request = counting_preempt
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, toks in zip(ids, prompts):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), params)
+
+    peak = 0
+    after_prefill: dict[str, int] = {}
+    outputs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        decoding = [r for r in sched.running
+                    if r.num_computed_tokens >= r.num_prompt_tokens]
+        peak = max(peak, len(decoding))
+        for r in decoding:
+            # Blocks go back when the request is next scheduled, so look once
+            # its first decode step has run.
+            if r.num_computed_tokens > r.num_prompt_tokens and \
+                    external_id(r) not in after_prefill:
+                after_prefill[external_id(r)] = held_blocks(sched, r.request_id)
+    wall = time.perf_counter() - start
+    free_after = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    assert free_after == num_blocks, f"leak: {num_blocks - free_after} blocks"
+    budget = (rocketkv or {}).get("prompt_budget")
+    return CapacityResult(
+        method="rocketkv" if backend == "ROCKETKV" else "dense",
+        budget=budget, requests=len(prompts), finished=len(outputs),
+        peak_decoding=peak, preemptions=preemptions, wall_s=round(wall, 2),
+        num_blocks=num_blocks, block_size=block_size,
+        blocks_after_prefill=[after_prefill.get(r, -1) for r in ids],
+        outputs=outputs,
+    )
+
+
+def expected_blocks(prompt_budget: int, num_prompt_tokens: int, block_size: int) -> int:
+    """ceil((prompt_budget + tail) / block_size) of the acceptance criterion,
+    tail = the tokens held in place in the prompt's last, partly filled block."""
+    tail = num_prompt_tokens % block_size
+    return math.ceil((prompt_budget + tail) / block_size)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: embedded SmolLM2")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=6000)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=512, help="ROCKETKV prompt_budget")
+    ap.add_argument("--fit-dense", type=float, default=2.2,
+                    help="KV cache size in dense requests it holds (default 2.2)")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--methods", default="dense,rocketkv")
+    ap.add_argument("--dense-backend", default=None,
+                    help="vLLM backend for the dense run (default: platform's)")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--out", default=None, help="also write the JSON report here")
+    args = ap.parse_args(argv)
+
+    from rocketkv_eval.model import prepare_default_model
+
+    model = args.model or prepare_default_model()
+    import random
+
+    rng = random.Random(0)
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(model).vocab_size
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]
+               for _ in range(args.requests)]
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    kv_bytes = int(kv_bytes_for_tokens(
+        model, args.fit_dense * (args.prompt_tokens + args.max_tokens), dtype_bytes))
+
+    results = []
+    for method in args.methods.split(","):
+        if method == "dense":
+            from vllm.platforms import current_platform
+
+            backend = args.dense_backend or ("CPU_ATTN" if current_platform.is_cpu()
+                                             else "TRITON_ATTN")
+            res = run_capacity(model, backend, prompts, kv_bytes, None,
+                               args.max_tokens, args.block_size, args.dtype)
+        else:
+            res = run_capacity(model, "ROCKETKV", prompts, kv_bytes,
+                               {"prompt_budget": args.budget}, args.max_tokens,
+                               args.block_size, args.dtype)
+            res.expected_blocks = expected_blocks(args.budget, args.prompt_tokens,
+                                                  args.block_size)
+        results.append(res)
+
+    rows = [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]
+    report = {
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d"),
+        "kv_cache_bytes": kv_bytes, "prompt_tokens": args.prompt_tokens,
+        "results": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"KV cache {kv_bytes / 2**20:.0f} MiB, {args.requests} requests x "
+          f"{args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens")
+    print(f"{'method':10} {'budget':>6} {'done':>5} {'peak':>5} {'preempt':>8} "
+          f"{'wall s':>7} {'blocks':>7} {'held/request after prefill'}")
+    for r in results:
+        expected = f" (expected {r.expected_blocks})" if r.expected_blocks else ""
+        print(f"{r.method:10} {str(r.budget or '-'):>6} {r.finished:>5} "
+              f"{r.peak_decoding:>5} {r.preemptions:>8} {r.wall_s:>7} "
+              f"{r.num_blocks:>7} {r.blocks_after_prefill}{expected}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

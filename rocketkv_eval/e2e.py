@@ -1,0 +1,264 @@
+"""End-to-end speed, side by side: vLLM's own attention backend vs ROCKETKV.
+
+One in-process vLLM engine per method, the same N prompts of L tokens each
+(needle-in-a-haystack text from the model's own tokenizer), T new tokens
+each (greedy, ignore EOS), prefix caching off for all. Per method:
+
+- prefill s: first scheduling of any request to the last request's first
+  token (vLLM's per-request timestamps);
+- decode tok/s: each request's tokens after its first over the time from
+  its first to its last token (vLLM's timestamps), summed over the requests
+  (they decode side by side); also the slowest request's own rate, and the
+  rate over the steps in which every request was decoding;
+- Stage 1 share: ROCKETKV's Stage 1 time (all layers) / prefill time;
+- peak requests decoding at once, KV blocks each request holds after prefill.
+
+    python scripts/bench_e2e.py                                # CPU defaults
+    python scripts/bench_e2e.py --prompts 2 --prompt-tokens 7800 --new-tokens 256 \\
+        --methods dense,token_budget=256 --json
+    python scripts/bench_e2e.py --model /models/Llama-3.1-8B-Instruct \\
+        --prompt-tokens 32000 --new-tokens 4096 --methods dense,preset=trtllm
+
+A method is `dense` or a comma-free ROCKETKV setting list joined by `+`
+(`token_budget=256`, `preset=trtllm`, `prompt_budget=1024+topk=128`).
+Each ROCKETKV row is compared with the dense run before it, so a repeated
+`dense,token_budget=256,dense,token_budget=256` shows the run-to-run spread.
+Runs unchanged on a GPU machine; `--json` writes results/e2e-<platform>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rocketkv_eval.engines import external_id, held_blocks, in_process
+
+
+def parse_method(text: str) -> tuple[str, dict | None]:
+    if text == "dense":
+        return "dense", None
+    cfg = {}
+    for item in text.split("+"):
+        key, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"bad method {text!r}: expected dense or key=value[+...]")
+        try:
+            cfg[key] = json.loads(value)
+        except json.JSONDecodeError:
+            cfg[key] = value
+    return text, cfg
+
+
+def platform_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).split()[-1].lower()
+    return "cpu"
+
+
+def dense_backend_name() -> str:
+    from vllm.platforms import current_platform
+
+    return "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"
+
+
+def run_method(args, model: str, method: str, rocketkv: dict | None,
+               prompts: list[list[int]], progress) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_vllm.state import worker_state
+
+    backend = dense_backend_name() if rocketkv is None else "ROCKETKV"
+    kw = dict(model=model, attention_backend=backend, dtype=args.dtype,
+              max_model_len=args.max_model_len, enable_prefix_caching=False,
+              max_num_seqs=max(len(prompts), 1), disable_log_stats=False,
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+    if args.kv_cache_gib:
+        kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
+    if args.block_size:
+        kw["block_size"] = args.block_size
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
+    if rocketkv is not None:
+        kw["additional_config"] = {"rocketkv": rocketkv}
+    with in_process():  # the scheduler and the worker's counters are read here
+        llm = LLM(**kw)
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    # The worker's counters (in this process: the engine's own config object).
+    counters = worker_state(engine.vllm_config).counters
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
+                            ignore_eos=True)
+    for i, toks in enumerate(prompts):
+        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=toks), params)
+    peak = 0
+    blocks: dict[str, int] = {}
+    finished = {}
+    progress.set_description(method)
+    progress.reset(total=len(prompts) * args.new_tokens)
+    done_tokens = 0
+    decode_steps_s, decode_step_tokens = 0.0, 0
+    while engine.has_unfinished_requests():
+        # A step where every request is past its prompt decodes one token each.
+        pure_decode = not sched.waiting and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+        step_start = time.perf_counter()
+        step_tokens = len(sched.running)
+        outputs = engine.step()
+        if pure_decode:
+            decode_steps_s += time.perf_counter() - step_start
+            decode_step_tokens += step_tokens
+        for out in outputs:
+            if out.finished:
+                finished[out.request_id] = out
+        decoding = [r for r in sched.running
+                    if r.num_computed_tokens >= r.num_prompt_tokens]
+        peak = max(peak, len(decoding))
+        for r in decoding:
+            if r.num_computed_tokens > r.num_prompt_tokens and \
+                    external_id(r) not in blocks:
+                blocks[external_id(r)] = held_blocks(sched, r.request_id)
+        generated = sum(r.num_output_tokens for r in sched.running) + \
+            sum(len(o.outputs[0].token_ids) for o in finished.values())
+        progress.update(generated - done_tokens)
+        done_tokens = generated
+    counters = counters.as_dict()
+    engine.engine_core.shutdown()
+    del llm
+
+    metrics = [finished[f"r{i}"].metrics for i in range(len(prompts))]
+    start = min(m.scheduled_ts for m in metrics)
+    prefill_s = max(m.first_token_ts for m in metrics) - start
+    per_request = [(m.num_generation_tokens - 1) / (m.last_token_ts - m.first_token_ts)
+                   for m in metrics if m.last_token_ts > m.first_token_ts]
+    return {
+        "method": method,
+        "backend": backend,
+        "rocketkv": rocketkv,
+        "prefill_s": round(prefill_s, 3),
+        # Requests decode side by side: their own rates add up.
+        "decode_tok_s": round(sum(per_request), 3) if per_request else None,
+        "slowest_request_decode_tok_s": round(min(per_request), 3) if per_request
+        else None,
+        "pure_decode_steps_tok_s": round(decode_step_tokens / decode_steps_s, 3)
+        if decode_steps_s else None,
+        "stage1_s": round(counters["stage1_seconds"], 3) if rocketkv else None,
+        "stage1_share_of_prefill": round(counters["stage1_seconds"] / prefill_s, 4)
+        if rocketkv and prefill_s > 0 else None,
+        "prompts_compressed": counters["prompts_compressed"] if rocketkv else None,
+        "peak_decoding": peak,
+        "blocks_per_request_after_prefill": [blocks.get(f"r{i}", -1)
+                                             for i in range(len(prompts))],
+        "outputs": [list(finished[f"r{i}"].outputs[0].token_ids)
+                    for i in range(len(prompts))],
+    }
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("ROCKETKV_TIMING", "1")  # Stage 1 share of prefill
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: embedded SmolLM2")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=4000)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--methods", default="dense,token_budget=256")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: prompt + new tokens, rounded up to 1024")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV cache size (default: 2 on CPU, vLLM's own sizing on GPU)")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="write results/e2e-<platform>.json (or --out)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.kv_cache_gib is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            args.kv_cache_gib = 2.0
+    if args.max_model_len is None:
+        need = args.prompt_tokens + args.new_tokens + 64
+        args.max_model_len = -(-need // 1024) * 1024
+
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.needle import build_needle_prompt
+
+    model = args.model or prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
+               for i in range(args.prompts)]
+    methods = [parse_method(m) for m in args.methods.split(",")]
+    rows = []
+    with tqdm(total=1, unit="tok", file=sys.stderr) as progress:
+        for name, cfg in methods:
+            rows.append(run_method(args, model, name, cfg, prompts, progress))
+
+    # Each row against the dense run before it (the first one if none is):
+    # repeating "dense,X" pairs shows the machine's run-to-run spread.
+    dense = next((r for r in rows if r["rocketkv"] is None), None)
+    for r in rows:
+        if r["rocketkv"] is None:
+            dense = r
+        elif dense is not None:
+            r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
+            if r["decode_tok_s"] and dense["decode_tok_s"]:
+                r["decode_speedup_vs_dense"] = round(
+                    r["decode_tok_s"] / dense["decode_tok_s"], 3)
+            r["same_tokens_as_dense"] = sum(
+                a == b for a, b in zip(r["outputs"], dense["outputs"]))
+    print(f"{len(prompts)} prompts x {[len(p) for p in prompts]} tokens, "
+          f"{args.new_tokens} new tokens, dtype {args.dtype}")
+    print(f"{'method':28} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
+          f"{'x dense':>7} {'stage1 %':>8} {'peak':>4}  blocks/request")
+    for r in rows:
+        share = r["stage1_share_of_prefill"]
+        print(f"{r['method']:28} {r['prefill_s']:>9.2f} "
+              f"{r.get('prefill_vs_dense', 1.0):>7.2f} {r['decode_tok_s'] or 0:>12.2f} "
+              f"{r.get('decode_speedup_vs_dense', 1.0):>7.2f} "
+              f"{'-' if share is None else f'{100 * share:.1f}':>8} "
+              f"{r['peak_decoding']:>4}  {r['blocks_per_request_after_prefill']}")
+    if args.json or args.out:
+        import torch
+
+        report = {
+            "command": " ".join(["python", "scripts/bench_e2e.py"]
+                                + (argv if argv is not None else sys.argv[1:])),
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": {
+                "platform": platform_name(),
+                "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                else None,
+            },
+            "model": os.path.basename(model.rstrip("/")),
+            "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+            "new_tokens": args.new_tokens, "dtype": args.dtype,
+            "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+        }
+        path = args.out or os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+            f"e2e-{platform_name()}.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The ROCKETKV attention backend (``rocketkv_vllm.backend.RocketKVBackend``).
+
+As vLLM's own backends, one backend is a class with its capabilities
+(here), its metadata and builder (``metadata``), and its impl (``impl``).
+Everything dense runs in vLLM's own backend for the platform (``native``);
+ROCKETKV adds Stage 1 and Stage 2 (``stages``), and lays decode steps out
+for FULL CUDA graphs on NVIDIA (``graphs``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+# Head sizes the kernels take (every Stage 2 and Stage 1 implementation).
+SUPPORTED_HEAD_SIZES = [64, 128]
+
+
+class RocketKVBackend(AttentionBackend):
+    # vLLM's own selection machinery knows this backend as CUSTOM (plugin).
+    # The native backend writes the KV cache in do_kv_cache_update.
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float16, torch.bfloat16, torch.float32,
+    ]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        from rocketkv_vllm.backend.impl import RocketKVImpl
+
+        return RocketKVImpl
+
+    @staticmethod
+    def get_builder_cls():
+        from rocketkv_vllm.backend.metadata import RocketKVMetadataBuilder
+
+        return RocketKVMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        # CPU_ATTN's vec16 kernels take 16-token blocks, vec and AMX 32.
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # KT pages sit in each block's padding behind a head-major interior.
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        # We receive per-request prompt lengths through vLLM's R-SWA field;
+        # real R-SWA models are refused at startup (engine).
+        return True
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """ROCKETKV's spec for the engine being built: KT pages in every
+        block's padding (``kv_cache``). vLLM calls this from the model
+        runner's ``get_kv_cache_spec``, which ``vllm_patches`` runs with the
+        engine's config current."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        from rocketkv_vllm.engine import settings_for
+        from rocketkv_vllm.kv_cache import RocketKVAttentionSpec, make_rocketkv_spec
+
+        if isinstance(spec, RocketKVAttentionSpec):
+            return spec
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is None:
+            raise RuntimeError(
+                "ROCKETKV builds its KV cache spec from the engine's config, but "
+                "vLLM called customize_spec with no current config")
+        return make_rocketkv_spec(spec, settings_for(vllm_config))

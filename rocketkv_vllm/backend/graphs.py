@@ -1,0 +1,73 @@
+"""FULL CUDA graphs for ROCKETKV's decode steps.
+
+vLLM captures one FULL graph per decode batch size (every row one token) and
+replays it for any such batch of that size: the graph keeps the launch
+shapes and tensor addresses of its capture, and only the builder runs for
+the step. So on a step a FULL graph may replay, the builder lays Stage 2 out
+the way the capture did (``metadata.RocketKVMetadataBuilder``):
+
+- every batch row is a Stage 2 row; rows that are not compressed (and vLLM's
+  padding rows) get seq_len 0, which the kernels skip without writing;
+- the per-row columns and the native backend's seq_lens (1 on compressed
+  rows) live in persistent device buffers, rewritten in place each step;
+- the kernels are launched for ``DecodeGraphShape``: the most view pages any
+  request can have (``max_model_len``) and the engine's largest selection.
+  Their loops are bounded by each row's own page count, so the work follows
+  the batch, not ``max_model_len``; the page-score scratch is sized by it.
+
+What a graph cannot do, the runner is kept from replaying one for
+(``GraphGuard.needs_eager``, called by the runner hooks in
+``vllm_patches``): a step holding a one-token prompt chunk (Stage 1 and the
+observation-window queries run in Python at the prompt's end) or a request
+whose own token budget selects more pages than the shape holds. Those steps
+run piecewise, attention eager, with the ordinary layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rocketkv_vllm.config import RocketKVSettings, TestAids
+from rocketkv_vllm.plan import DecodeGraphShape, budget_pages_selected, shape_for
+
+
+def decode_graph_shape(vllm_config, settings: RocketKVSettings, uses_triton: bool,
+                       aids: TestAids) -> DecodeGraphShape | None:
+    """The shape when this engine's decode steps may replay FULL CUDA
+    graphs (the Triton kernels on CUDA, vLLM's graph mode with FULL decode
+    graphs), or with the Triton kernels anywhere under the
+    ``force_graph_layout`` test aid."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    compilation = vllm_config.compilation_config
+    rows = max(vllm_config.scheduler_config.max_num_seqs,
+               compilation.max_cudagraph_capture_size or 0)
+    if not uses_triton:
+        return None
+    if not aids.force_graph_layout:
+        if not current_platform.is_cuda_alike():
+            return None
+        mode = compilation.cudagraph_mode
+        if mode is None or mode.decode_mode() != CUDAGraphMode.FULL:
+            return None
+    return shape_for(settings, vllm_config.model_config.max_model_len, rows)
+
+
+@dataclass(frozen=True)
+class GraphGuard:
+    """What the runner hooks check before vLLM may replay a FULL graph."""
+
+    shape: DecodeGraphShape
+    page_size: int
+
+    def needs_eager(self, prefilling: np.ndarray, budgets: list[int | None]) -> bool:
+        """Whether a one-token-per-row step must not replay a FULL graph: it
+        holds a prompt chunk, or a request whose own budget selects more
+        pages than the captured shape."""
+        if bool(np.any(prefilling)):
+            return True
+        return any(b and not self.shape.takes(budget_pages_selected(b, self.page_size))
+                   for b in budgets)

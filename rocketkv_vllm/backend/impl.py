@@ -1,0 +1,181 @@
+"""ROCKETKV's attention impl: vLLM's own backend for everything dense, then
+Stage 1 and Stage 2 for the rows the metadata names.
+
+Dense work (the KV write, every prompt token, uncompressed decodes) runs in
+vLLM's native attention impl on the same KV cache with its own metadata.
+Then, per layer: the observation-window queries of prompt chunks are kept,
+Stage 1 compacts each prompt that ended in this step, and Stage 2 replaces
+the output of every decode token of a compressed request.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
+
+from rocketkv_vllm import paged
+from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
+from rocketkv_vllm.backend.native import native_for_config
+from rocketkv_vllm.backend.stages import HsaRows, stage1_ops, stage2_for
+from rocketkv_vllm.engine import settings_for, test_aids_for
+from rocketkv_vllm.state import worker_state
+
+
+class WindowQueries:
+    """Window queries of prompts whose window spans several prefill chunks,
+    keyed by the request (``PromptChunkRow.key``), until the chunk with the
+    prompt's end. At most one buffer per running request: the oldest
+    written go first (requests aborted mid-prompt never reach Stage 1)."""
+
+    def __init__(self, window_size: int, max_buffers: int) -> None:
+        self.window_size = window_size
+        self.max_buffers = max_buffers
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def _here(self, r: PromptChunkRow, query):
+        """(window offset of the first, queries) of this chunk's window part."""
+        n = r.plan.num_prompt_tokens
+        window_start = n - self.window_size
+        end = min(r.q_end, r.q_start + n - r.context_len)
+        first = max(r.q_start, r.q_start + window_start - r.context_len)
+        return r.context_len + first - r.q_start - window_start, query[first:end]
+
+    def keep(self, r: PromptChunkRow, query) -> None:
+        """Remember this chunk's queries that fall in the prompt's window."""
+        offset, q = self._here(r, query)
+        buf = self._buffers.pop(r.key, None)
+        if buf is None:
+            buf = q.new_zeros(self.window_size, *q.shape[1:])
+        self._buffers[r.key] = buf  # newest last
+        while len(self._buffers) > self.max_buffers:
+            del self._buffers[next(iter(self._buffers))]
+        buf[offset : offset + q.shape[0]] = q
+
+    def take(self, r: PromptChunkRow, query) -> torch.Tensor:
+        """The w window queries: earlier chunks' from the buffer, this chunk's."""
+        offset, here = self._here(r, query)
+        if offset == 0:
+            return here
+        earlier = self._buffers.pop(r.key, None)
+        if earlier is None:
+            raise RuntimeError(
+                "ROCKETKV lost the observation-window queries of a request whose "
+                "window spans several prefill chunks")
+        return torch.cat([earlier[:offset], here])
+
+
+class RocketKVImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "KV sharing across layers": kv_sharing_target_layer_name is not None,
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+        }
+        bad = [name for name, used in unsupported.items() if used]
+        if bad:
+            raise NotImplementedError(f"ROCKETKV does not support: {', '.join(bad)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        vllm_config = get_current_vllm_config()
+        self.settings = settings_for(vllm_config)
+        self.poison_evicted_blocks = test_aids_for(vllm_config).poison_evicted_blocks
+        self.counters = worker_state(vllm_config).counters
+        choice = native_for_config(vllm_config)
+        self.kv_layout = choice.kv_layout
+        self.native = choice.backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name)
+        self.stage2 = stage2_for(self.settings, self.kv_layout)
+        self.stage1 = stage1_ops(self.settings)
+        self.window_queries = WindowQueries(self.settings.window_size,
+                                            vllm_config.scheduler_config.max_num_seqs)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        self.native.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: RocketKVMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ROCKETKV does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        md = attn_metadata
+        self.native.forward(layer, query, key, value, kv_cache, md.native, output)
+        if not md.adds_work:
+            return output
+        n = md.num_actual_tokens
+        query = query[:n].view(n, self.num_heads, self.head_size)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        for r in md.window_rows:
+            self.window_queries.keep(r, query)
+        for r in md.stage1_rows:
+            self._stage1(r, query, kv_cache)
+        for rows in md.recompute:
+            self._stage2(rows, query, out, kv_cache)
+        if md.decode is not None:
+            self._stage2(md.decode, query, out, kv_cache)
+        return output
+
+    def _stage1(self, r: PromptChunkRow, query, kv_cache) -> None:
+        s, plan = self.settings, r.plan
+        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
+        kt_cache = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        with self.counters.stage1_timer(query.device):
+            paged.snapkv_compress(
+                k_cache, v_cache, kt_cache, r.block_row, self.window_queries.take(r, query),
+                plan.num_prompt_tokens, plan.prompt_budget, plan.tail_start,
+                s.kernel_size, s.page_size, self.scale, ops=self.stage1)
+        if self.poison_evicted_blocks:
+            self._poison_evicted(kv_cache, r.block_row, plan)
+
+    def _stage2(self, rows: HsaRows, query, out, kv_cache) -> None:
+        if rows.in_place:  # FULL-graph layout (Triton only): row b is token b
+            batch = rows.tokens.shape[0]
+            self.stage2.decode(query[:batch], kv_cache, rows, self.scale, out=out[:batch])
+            return
+        result = self.stage2.decode(query[rows.tokens], kv_cache, rows, self.scale)
+        out[rows.tokens] = result.to(out.dtype)
+
+    def _poison_evicted(self, kv_cache, block_row, plan) -> None:
+        """Test aid: fill the blocks the scheduler is about to take back with
+        huge keys/values (and NaN KT pages), so any later read of them by
+        ROCKETKV changes the output. Finite, because vLLM's kernels read (and
+        mask) the unwritten slots of a request's last block, which may be
+        such a reused block."""
+        s = self.settings
+        start, end = plan.freed_block_range(s.block_size)
+        blocks = block_row[start:end].long()
+        kv_cache[blocks] = 3.0e4
+        kt = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        kt[blocks] = 0xFF if kt.dtype == torch.uint8 else float("nan")  # NaN either way

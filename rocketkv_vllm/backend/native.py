@@ -1,0 +1,94 @@
+"""vLLM's own attention backend that ROCKETKV runs dense attention with, and
+where that backend keeps K and V inside a block.
+
+CPU: CPU_ATTN, whose K/V placement depends on the ISA its kernels use (found
+by letting vLLM's own cache write store known values: ``cpu_kv_layout``).
+NVIDIA: FLASH_ATTN where it supports the model, else TRITON_ATTN.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from vllm.logger import init_logger
+
+from rocketkv_vllm import paged
+
+# Under the "vllm" logger so records show with vLLM's own formatting.
+logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass(frozen=True)
+class NativeChoice:
+    backend: type  # a vLLM AttentionBackend
+    kv_layout: str  # where K and V sit in a block (paged.split_kv)
+
+
+def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> str:
+    """Where CPU_ATTN's kernels for this ISA put K and V in a block, found by
+    letting vLLM's own cache write store known values (into each head's
+    [2 * block_size, d] halves, as CPU_ATTN's forward passes them) and
+    reading them back through our views."""
+    from vllm import _custom_ops as ops
+
+    heads, blocks = 2, 2
+    candidates = ("cpu_amx",) if isa == "amx" else ("cpu_vec", "head_rows")
+    for layout in candidates:
+        kv_cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+        rows = kv_cache.view(blocks, heads, 2 * block_size, head_size)
+        gen = torch.Generator().manual_seed(0)
+        key = torch.randn(3, heads, head_size, generator=gen).to(dtype)
+        value = torch.randn(3, heads, head_size, generator=gen).to(dtype)
+        slots = torch.tensor([1, block_size + 2, 2 * block_size - 1])
+        ops.cpu_attn_reshape_and_cache(key, value, rows[:, :, :block_size],
+                                       rows[:, :, block_size:], slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        k_cache, v_cache = paged.split_kv(kv_cache, layout)
+        blk, off = slots // block_size, slots % block_size
+        if (torch.equal(k_cache[blk, :, off], key)
+                and torch.equal(v_cache[blk, :, off], value)):
+            return layout
+    raise NotImplementedError(
+        f"ROCKETKV cannot read vLLM CPU_ATTN's KV cache layout for the '{isa}' "
+        f"kernels (dtype {dtype}, block size {block_size}); supported on CPU: the "
+        "vec, vec16 and amx kernels")
+
+
+@functools.cache
+def native_backend(head_size: int, dtype: torch.dtype, block_size: int) -> NativeChoice:
+    """vLLM's own attention backend that ROCKETKV runs dense attention with."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import (
+            CPUAttentionBackend,
+            _get_attn_isa,
+        )
+
+        isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+        choice = NativeChoice(CPUAttentionBackend,
+                              cpu_kv_layout(isa, dtype, head_size, block_size))
+    else:
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        capability = current_platform.get_device_capability()
+        if (FlashAttentionBackend.supports_head_size(head_size)
+                and FlashAttentionBackend.supports_dtype(dtype)
+                and capability is not None
+                and FlashAttentionBackend.supports_compute_capability(capability)):
+            choice = NativeChoice(FlashAttentionBackend, "token")
+        else:
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+            choice = NativeChoice(TritonAttentionBackend, "token")
+    logger.info_once("ROCKETKV: dense attention runs in vLLM's %s backend "
+                     "(KV layout %s).", choice.backend.get_name(), choice.kv_layout)
+    return choice
+
+
+def native_for_config(vllm_config) -> NativeChoice:
+    model_config = vllm_config.model_config
+    return native_backend(model_config.get_head_size(), model_config.dtype,
+                          vllm_config.cache_config.block_size)

@@ -1,0 +1,165 @@
+"""The implementations of Stage 1 and Stage 2, behind one interface each.
+
+Stage 2 (HSA decode over a batch of rows) has three implementations: the
+Triton kernels (NVIDIA; ``triton_ops``), the C++ kernel on CPU
+(``cpu_ops``) and batched PyTorch (``batched``, the CPU fallback and
+reference). Each is a ``Stage2`` with the same two calls; ``stage2_for``
+chooses one per engine, once. Stage 1 (SnapKV compaction of one prompt) is
+one function, ``paged.snapkv_compress``, with Triton or PyTorch steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from rocketkv_vllm import batched, paged
+from rocketkv_vllm.config import RocketKVSettings
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+@dataclass
+class HsaRows:
+    """Stage 2 rows of a step, one token each, the same for every layer:
+    each row's plan columns as device tensors."""
+
+    tokens: torch.Tensor  # [B] index of each row's token in the step
+    block_table: torch.Tensor  # [B, max_blocks]
+    num_compact: torch.Tensor  # [B] int32
+    tail_start: torch.Tensor
+    seq_lens: torch.Tensor  # including the token
+    topk: torch.Tensor
+    topr: torch.Tensor
+    num_select: torch.Tensor  # pages to select: plan.pages_selected(topk)
+    max_pages: int  # >= every row's view page count
+    max_select: int  # >= every num_select
+    # FULL CUDA graph layout (backend.graphs): row b is the step's token b,
+    # rows with seq_len 0 are not compressed, the result goes straight into
+    # the output (those rows keep the native backend's)
+    in_place: bool = False
+    prepared: Any = None  # what the implementation derived once per step
+
+
+class Stage2:
+    """Stage 2 for one decode token per row (its K/V already in the cache):
+    KT update, page choice, sparse attention."""
+
+    name = ""
+    # Triton only: fewer distinct launch shapes (kernel specializations).
+    pow2_shapes = False
+
+    def __init__(self, settings: RocketKVSettings, kv_layout: str) -> None:
+        self.settings = settings
+        self.kv_layout = kv_layout
+
+    def prepare(self, rows: HsaRows) -> None:
+        """Once per step, in the builder (shared by all layers)."""
+
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, rows: HsaRows,
+               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
+        layout) rows with seq_len 0 are left as they are."""
+        raise NotImplementedError
+
+    def _kt(self, kv_cache):
+        return paged.kt_cache_view(kv_cache, self.settings.page_size,
+                                   self.settings.kt_dtype)
+
+
+class TritonStage2(Stage2):
+    name = "Triton kernels"
+    pow2_shapes = True
+
+    def decode(self, query, kv_cache, rows, scale, out=None):
+        from rocketkv_vllm import triton_ops
+
+        s = self.settings
+        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
+        return triton_ops.hsa_decode_batch(
+            query, k_cache, v_cache, self._kt(kv_cache), rows.block_table,
+            rows.num_compact, rows.tail_start, rows.seq_lens, rows.topk, rows.topr,
+            s.page_size, scale, rows.max_pages, rows.max_select, s.force_current_page,
+            out=out)
+
+
+class CpuStage2(Stage2):
+    name = "native CPU kernel"
+
+    def decode(self, query, kv_cache, rows, scale, out=None):
+        from rocketkv_vllm import cpu_ops
+
+        assert out is None, "the FULL-graph layout runs the Triton kernels only"
+        s = self.settings
+        return cpu_ops.hsa_decode_batch(
+            query, kv_cache, self._kt(kv_cache), self.kv_layout, rows.block_table,
+            rows.num_compact, rows.tail_start, rows.seq_lens, rows.topr, rows.num_select,
+            s.page_size, scale, s.force_current_page)
+
+
+class TorchStage2(Stage2):
+    name = "batched PyTorch path"
+
+    def prepare(self, rows):
+        s = self.settings
+        rows.prepared = batched.view_pages(
+            rows.block_table, rows.num_compact, rows.tail_start, rows.seq_lens,
+            s.page_size, s.block_size, rows.max_pages)
+
+    def decode(self, query, kv_cache, rows, scale, out=None):
+        assert out is None, "the FULL-graph layout runs the Triton kernels only"
+        s = self.settings
+        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
+        return batched.hsa_decode_batch(
+            query, k_cache, v_cache, self._kt(kv_cache), rows.block_table, rows.seq_lens,
+            rows.prepared, rows.topr, rows.num_select, rows.max_select, s.page_size,
+            scale, s.force_current_page)
+
+
+def uses_triton(settings: RocketKVSettings) -> bool:
+    """Triton kernels on NVIDIA GPUs (or anywhere when forced), else CPU."""
+    if settings.kernel != "auto":
+        return settings.kernel == "triton"
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
+@functools.cache
+def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
+    """The engine's Stage 2: Triton where it runs, on CPU the C++ kernel for
+    CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch."""
+    from rocketkv_vllm import cpu_ops
+
+    if uses_triton(settings):
+        if kv_layout == "cpu_amx":
+            raise ValueError(
+                "rocketkv.kernel='triton' is invalid with CPU_ATTN's AMX cache layout "
+                "(bf16, block_size a multiple of 32): allowed 'auto' or 'torch', or "
+                "block_size 16")
+        impl: Stage2 = TritonStage2(settings, kv_layout)
+    elif settings.kernel == "auto" and kv_layout in cpu_ops.LAYOUT_CODES:
+        error = cpu_ops.build_error()
+        if error is None:
+            impl = CpuStage2(settings, kv_layout)
+        else:
+            logger.warning("ROCKETKV: the native CPU Stage 2 kernel is unavailable "
+                           "(%s); decoding with the slower PyTorch path.", error)
+            impl = TorchStage2(settings, kv_layout)
+    else:
+        impl = TorchStage2(settings, kv_layout)
+    logger.info_once("ROCKETKV: Stage 2 runs in the %s.", impl.name)
+    return impl
+
+
+def stage1_ops(settings: RocketKVSettings) -> paged.Stage1Ops:
+    """Stage 1's steps: the Triton kernels with Triton's Stage 2, else PyTorch."""
+    if uses_triton(settings):
+        from rocketkv_vllm import triton_ops
+
+        return triton_ops.STAGE1_OPS
+    return paged.STAGE1_OPS

@@ -1,0 +1,238 @@
+"""How a ROCKETKV engine is configured, and what it accepts.
+
+``configure_engine`` runs right after the platform's own
+``check_and_update_config`` while vLLM builds its ``VllmConfig``
+(``vllm_patches``), so every problem surfaces at startup with the name of
+the offending field. ``settings_for`` gives the settings of an engine from
+its ``VllmConfig`` wherever they are needed; ``validate_request`` refuses,
+per request, what ROCKETKV cannot serve.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+from vllm.logger import init_logger
+
+from rocketkv_vllm.config import (
+    CONFIG_KEY,
+    TEST_AIDS_KEY,
+    RocketKVConfigError,
+    RocketKVSettings,
+    TestAids,
+    parse_config,
+    parse_test_aids,
+    resolve_settings,
+)
+from rocketkv_vllm.plan import plan_request
+
+# Under the "vllm" logger so records show with vLLM's own formatting.
+logger = init_logger(f"vllm.{__name__}")
+
+BACKEND_NAME = "ROCKETKV"
+BACKEND_PATH = "rocketkv_vllm.backend.RocketKVBackend"
+
+# vLLM fills CommonAttentionMetadata.rswa_prefix_lens with every request's
+# prompt length only when the model has an R-SWA window; ROCKETKV needs those
+# lengths and sets this marker window (no ROCKETKV layer applies R-SWA).
+RSWA_MARKER_WINDOW = 1 << 30
+
+# 16 suits FLASH_ATTN / TRITON_ATTN; on CPU 32 lets CPU_ATTN use its AMX
+# kernels for bf16 (and vec, not vec16, elsewhere).
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_BLOCK_SIZE = 32
+
+
+def is_rocketkv(selected_backend) -> bool:
+    """Whether a backend choice (an AttentionBackendEnum member) is ROCKETKV."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    custom = AttentionBackendEnum.CUSTOM
+    return selected_backend == custom and custom.get_path() == BACKEND_PATH
+
+
+def is_rocketkv_engine(vllm_config) -> bool:
+    attention = getattr(vllm_config, "attention_config", None)
+    return attention is not None and is_rocketkv(attention.backend)
+
+
+def _normalized(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "")
+
+
+def _extra(vllm_config) -> dict:
+    extra = vllm_config.additional_config or {}
+    return extra if isinstance(extra, dict) else {}
+
+
+def raw_config(vllm_config) -> dict:
+    """``additional_config["rocketkv"]``; a near miss of the key (``rocketKV``,
+    ``rocket_kv``) is an error, not silently the default settings."""
+    extra = _extra(vllm_config)
+    for key in extra:
+        if key != CONFIG_KEY and _normalized(str(key)) == CONFIG_KEY:
+            raise RocketKVConfigError(
+                f"additional_config key {key!r} is not a ROCKETKV key: did you mean "
+                f"{CONFIG_KEY!r}?")
+    raw = extra.get(CONFIG_KEY)
+    if raw is not None and not isinstance(raw, dict):
+        raise RocketKVConfigError(
+            f"additional_config.{CONFIG_KEY} must be a JSON object, got {raw!r}")
+    return raw or {}
+
+
+@functools.lru_cache(maxsize=64)
+def _settings(raw_json: str, block_size: int, head_dim: int,
+              max_model_len: int) -> RocketKVSettings:
+    return resolve_settings(parse_config(json.loads(raw_json)), block_size=block_size,
+                            head_dim=head_dim, max_model_len=max_model_len)
+
+
+def settings_for(vllm_config) -> RocketKVSettings:
+    """The ROCKETKV settings of the engine this config describes."""
+    model_config = vllm_config.model_config
+    return _settings(json.dumps(raw_config(vllm_config), sort_keys=True),
+                     vllm_config.cache_config.block_size, model_config.get_head_size(),
+                     model_config.max_model_len)
+
+
+def test_aids_for(vllm_config) -> TestAids:
+    return parse_test_aids(_extra(vllm_config).get(TEST_AIDS_KEY))
+
+
+def kept_tokens_for_prompt(vllm_config, num_prompt_tokens: int) -> int:
+    """KV tokens each KV head keeps for a prompt of this length."""
+    return plan_request(settings_for(vllm_config), num_prompt_tokens).kept_tokens()
+
+
+_logged_settings: set[RocketKVSettings] = set()
+
+
+def configure_engine(vllm_config) -> None:
+    """Validate and adapt a VllmConfig whose attention backend is ROCKETKV."""
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    if model_config is None:
+        return
+    from vllm.platforms import current_platform
+
+    if not cache_config.user_specified_block_size:
+        cache_config.block_size = (DEFAULT_CPU_BLOCK_SIZE if current_platform.is_cpu()
+                                   else DEFAULT_BLOCK_SIZE)
+
+    refusals = []
+    if vllm_config.speculative_config is not None:
+        refusals.append("speculative decoding (drafts would be verified "
+                        "against a KV cache that eviction already changed)")
+    if getattr(cache_config, "kv_offloading_size", None) is not None:
+        refusals.append("KV cache offloading (kv_offloading_size: offloaded "
+                        "blocks would miss ROCKETKV's compaction and KT pages)")
+    elif vllm_config.kv_transfer_config is not None:
+        refusals.append("KV connectors / disaggregated prefill (a transferred "
+                        "cache would miss ROCKETKV's compaction and KT pages)")
+    if model_config.rswa_window not in (None, RSWA_MARKER_WINDOW):
+        refusals.append("models with reference sliding-window attention")
+    if getattr(model_config.hf_text_config, "sliding_window", None):
+        refusals.append("sliding-window models")
+    if model_config.use_mla:
+        refusals.append("MLA models")
+    if cache_config.cache_dtype not in ("auto", None):
+        refusals.append(f"kv_cache_dtype={cache_config.cache_dtype} (use auto)")
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        refusals.append("decode context parallelism")
+    if refusals:
+        raise ValueError("ROCKETKV attention backend does not support: "
+                         + "; ".join(refusals))
+
+    settings = settings_for(vllm_config)
+    test_aids_for(vllm_config)  # refuse bad test switches at startup too
+
+    if (settings.kernel == "triton" and not current_platform.is_cuda()
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise ValueError(
+            "rocketkv.kernel='triton' is invalid here: allowed on NVIDIA GPUs (or "
+            "with TRITON_INTERPRET=1 for testing); use 'auto' or 'torch'")
+
+    if cache_config.enable_prefix_caching:
+        logger.warning(
+            "ROCKETKV: prefix caching disabled (compaction rewrites prompt blocks "
+            "in place, so they cannot be shared between requests).")
+        cache_config.enable_prefix_caching = False
+
+    model_config.model_arch_config.rswa_window = RSWA_MARKER_WINDOW
+
+    tp = parallel.tensor_parallel_size
+    kv_heads = model_config.get_total_num_kv_heads()
+    if tp > kv_heads:
+        # vLLM then replicates KV heads: each replica scores tokens and pages
+        # with only its own rank's query heads, not the whole GQA group.
+        logger.warning_once(
+            "ROCKETKV: tensor_parallel_size=%d > %d KV heads: each replicated KV "
+            "head selects tokens for its own rank's query heads only, so outputs "
+            "can differ from tensor_parallel_size <= %d.", tp, kv_heads, kv_heads)
+
+    if settings not in _logged_settings:
+        _logged_settings.add(settings)
+        example = plan_request(settings, model_config.max_model_len // 2)
+        logger.info(
+            "ROCKETKV settings: %s; e.g. a %d-token prompt keeps %d tokens per KV "
+            "head (top-k %d, top-r %d).",
+            settings.as_dict(), example.num_prompt_tokens, example.kept_tokens(),
+            example.topk, example.topr)
+
+
+def validated_backend_path(attn_selector_config) -> str:
+    """vLLM's own backend validation, on every platform, naming ROCKETKV
+    (vLLM's CPU selection validates nothing, NVIDIA's would say CUSTOM)."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from rocketkv_vllm.backend import RocketKVBackend
+
+    capability = current_platform.get_device_capability() or DeviceCapability(0, 0)
+    reasons = RocketKVBackend.validate_configuration(
+        device_capability=capability, **attn_selector_config._asdict())
+    if reasons:
+        raise ValueError(
+            f"ROCKETKV attention backend is not valid for this configuration "
+            f"({attn_selector_config}): {'; '.join(reasons)}")
+    return BACKEND_PATH
+
+
+def validate_request(vllm_config, params, resumable: bool) -> None:
+    """Refuse, with vLLM's validation error (HTTP 400 at the server), what a
+    ROCKETKV engine cannot serve; the engine keeps serving:
+
+    - streaming-input sessions grow a live request's prompt; after
+      compaction ROCKETKV would attend over blocks it gave back;
+    - on vLLM's CPU build, a per-request seed: its model runner rewinds the
+      request's torch generator after a partial prefill step, which CPU
+      generators cannot do, and the engine dies (vLLM 0.32, every backend);
+    - a per-request budget (``requests``) out of range.
+    """
+    from vllm.exceptions import VLLMValidationError
+    from vllm.platforms import current_platform
+
+    from rocketkv_vllm.requests import REQUEST_BUDGET_KEY, params_token_budget
+
+    if resumable:
+        raise VLLMValidationError(
+            "ROCKETKV attention backend does not support streaming input "
+            "sessions (a live request's prompt would grow after its KV "
+            "cache was compressed)", parameter="prompt")
+    try:
+        params_token_budget(params)
+    except RocketKVConfigError as e:
+        raise VLLMValidationError(
+            str(e), parameter=f"vllm_xargs.{REQUEST_BUDGET_KEY}",
+            value=params.extra_args[REQUEST_BUDGET_KEY]) from None
+    if current_platform.is_cpu() and getattr(params, "seed", None) is not None:
+        raise VLLMValidationError(
+            "ROCKETKV on vLLM's CPU build does not accept a per-request seed: "
+            "vLLM's CPU model runner cannot rewind a seeded request's "
+            "generator after a chunked prefill step and would stop the "
+            "engine; drop `seed` (greedy decoding needs none)",
+            parameter="seed", value=params.seed)

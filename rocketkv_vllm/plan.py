@@ -1,0 +1,194 @@
+"""What RocketKV does with one request, and the page geometry of its view.
+
+A request's plan is a pure function of the engine's settings, its prompt
+length and the budget it may set (``requests``), so every process that acts
+on a request (scheduler: blocks freed, prefix caching; workers: Stage 1 /
+Stage 2; API server: metrics) derives the same plan without being told.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from rocketkv_vllm.config import RocketKVSettings
+
+
+def cdiv(a, b):
+    """Ceiling division of ints or numpy arrays."""
+    return -(-a // b)
+
+
+def view_pages(num_compact, tail_start, seq_len, page_size: int):
+    """Pages of a request's view (compacted tokens, then the tail from
+    ``tail_start``), each region starting a fresh page: ints or arrays."""
+    return cdiv(num_compact, page_size) + cdiv(seq_len - tail_start, page_size)
+
+
+def pages_selected(topk, page_size: int):
+    """Pages Stage 2 selects per step for a top-k of ``topk`` tokens (a
+    forced current page comes on top): ints or arrays."""
+    if isinstance(topk, np.ndarray):
+        return np.maximum(topk // page_size, 1)
+    return max(int(topk) // page_size, 1)
+
+
+def max_view_pages(max_model_len: int, page_size: int) -> int:
+    """An upper bound on any request's view pages: both regions together
+    hold at most ``max_model_len`` tokens, and each may end in a partial
+    page."""
+    return cdiv(max_model_len, page_size) + 1
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    prompt_budget: int
+    topk: int
+    page_size: int
+    topr: int
+
+
+def split_token_budget(token_budget: int, num_prompt_tokens: int, max_new_tokens: int,
+                       head_dim: int) -> BudgetSplit:
+    """SPEC §1 "budget split from one number", before any kernel rounding."""
+    total = num_prompt_tokens + max_new_tokens
+    c = max(1.0, total / token_budget)
+    alpha = min(0.2 + 0.06 * math.log2(c), 0.8)
+    cap = max(int(total / c**alpha), min(2 * max_new_tokens, total))
+    c2 = max(1.0, cap / token_budget)
+    page_size = math.ceil(math.sqrt(c2))
+    if page_size > c2:
+        page_size = 1
+    topr = min(max(round(head_dim * page_size / c2), 1), head_dim)
+    return BudgetSplit(cap - max_new_tokens, token_budget // 2, page_size, topr)
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What RocketKV does with one request, derived from its prompt length.
+
+    After compression the request's KV per head is: slots [0, num_compact)
+    hold the kept tokens before ``tail_start`` in original order, and the
+    block holding the prompt's last tokens stays in place from ``tail_start``
+    (block aligned), followed by generated tokens at their logical slots.
+    """
+
+    num_prompt_tokens: int
+    compress: bool
+    prompt_budget: int
+    topk: int
+    topr: int
+    num_compact: int
+    tail_start: int
+
+    def freed_block_range(self, block_size: int) -> tuple[int, int]:
+        """Logical block indices [start, end) a compressed request gives back."""
+        if not self.compress:
+            return (0, 0)
+        return (cdiv(self.num_compact, block_size), self.tail_start // block_size)
+
+    def pages_selected(self, page_size: int) -> int:
+        return pages_selected(self.topk, page_size)
+
+    def kept_tokens(self) -> int:
+        """KV tokens each KV head keeps of the prompt."""
+        return self.prompt_budget if self.compress else self.num_prompt_tokens
+
+
+def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
+                 token_budget: int | None = None) -> RequestPlan:
+    """The plan for a prompt of this length; ``token_budget`` is the
+    request's own (``requests``): None keeps the engine's settings, 0 serves
+    the request uncompressed, else the SPEC split of that budget at the
+    engine's page size."""
+    n = num_prompt_tokens
+    tail_start = (n // settings.block_size) * settings.block_size
+    if token_budget == 0:
+        return RequestPlan(n, False, n, settings.topk, settings.topr, 0, tail_start)
+    if token_budget is not None:
+        settings = replace(settings, token_budget=token_budget)
+    if settings.token_budget is not None:
+        split = split_token_budget(settings.token_budget, n, settings.max_new_tokens,
+                                   settings.head_dim)
+        prompt_budget = max(split.prompt_budget, settings.min_prompt_budget)
+        topk = pages_selected(split.topk, settings.page_size) * settings.page_size
+        # Channel count for the page size actually used, rounded to 16 lanes.
+        c2 = max(1.0, (split.prompt_budget + settings.max_new_tokens)
+                 / settings.token_budget)
+        topr = round(settings.head_dim * settings.page_size / c2 / 16) * 16
+        topr = min(max(topr, 16), settings.head_dim)
+    else:
+        prompt_budget = settings.prompt_budget
+        topk = settings.topk
+        topr = settings.topr
+    if not settings.evict:
+        # Stage 2 only: keep all n tokens (identity compaction, nothing
+        # freed: num_compact == tail_start); sparse decode pays off only
+        # when the prompt exceeds the per-step selection. (The backend still
+        # collects the window queries of a compressed prompt, so it must
+        # also be longer than the window, as with eviction.)
+        compress = n > max(topk, settings.window_size)
+        return RequestPlan(n, compress, n, topk, topr,
+                           tail_start if compress else 0, tail_start)
+    compress = n > prompt_budget
+    num_compact = prompt_budget - (n - tail_start) if compress else 0
+    return RequestPlan(n, compress, prompt_budget, topk, topr, num_compact, tail_start)
+
+
+class PlanCache:
+    """``plan_request`` for one engine's settings, memoised by (prompt length,
+    request budget). Plans are looked up for every row of every step (builder)
+    and every scheduled request (block manager); hashing the settings for each
+    lookup would cost more than the plan itself."""
+
+    MAX_ENTRIES = 1 << 16
+
+    def __init__(self, settings: RocketKVSettings) -> None:
+        self.settings = settings
+        self._plans: dict[tuple[int, int | None], RequestPlan] = {}
+
+    def __call__(self, num_prompt_tokens: int,
+                 token_budget: int | None = None) -> RequestPlan:
+        key = (num_prompt_tokens, token_budget)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.MAX_ENTRIES:
+                self._plans.clear()
+            plan = self._plans[key] = plan_request(self.settings, *key)
+        return plan
+
+
+def max_topk(settings: RocketKVSettings) -> int:
+    """The largest per-step token selection any request of the engine uses
+    (a per-request budget may select more: ``budget_pages_selected``)."""
+    if settings.token_budget is None:
+        return settings.topk
+    return budget_pages_selected(settings.token_budget, settings.page_size) \
+        * settings.page_size
+
+
+def budget_pages_selected(token_budget: int, page_size: int) -> int:
+    """Pages selected per step by a request planned with this token budget
+    (its top-k is half the budget, in whole pages: ``plan_request``)."""
+    return pages_selected(token_budget // 2, page_size)
+
+
+@dataclass(frozen=True)
+class DecodeGraphShape:
+    rows: int  # the largest decode batch a FULL graph is captured for
+    max_pages: int  # >= any request's view pages
+    max_select: int  # >= the pages of the engine's largest selection
+
+    def takes(self, num_select: int) -> bool:
+        return num_select <= self.max_select
+
+
+def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> DecodeGraphShape:
+    """Stage 2's launch shape for FULL CUDA graphs (``backend.graphs``): the
+    most view pages any request can have, the engine's largest selection."""
+    max_pages = max_view_pages(max_model_len, settings.page_size)
+    return DecodeGraphShape(rows, max_pages,
+                            min(pages_selected(max_topk(settings), settings.page_size),
+                                max_pages))

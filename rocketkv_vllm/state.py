@@ -1,0 +1,147 @@
+"""ROCKETKV's state in a worker process, one object per engine.
+
+The runner hooks (``vllm_patches``) record what vLLM tells the model runner
+about requests; the attention builder and impl of the same engine read it.
+Both sides reach the same ``WorkerState`` through the engine's
+``VllmConfig`` object (``worker_state``), which the model runner hands to
+its attention builders and sets as the current config while the model's
+layers are built.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from rocketkv_vllm.requests import planned_budget
+
+
+class WorkerRequests:
+    """What the worker knows of each batch row's request beyond vLLM's
+    attention metadata: its own token budget (``requests``) and, under
+    Model Runner V2, its prompt length.
+
+    Model Runner V2 gives each row's slot in its request table
+    (``CommonAttentionMetadata.req_idx``): budgets and prompt lengths are
+    kept per slot, set when a request takes the slot (``v2_add``). The V1
+    runner passes prompt lengths on the host (``rswa_prefix_lens``) and
+    reorders its persistent batch in ``_update_states``: the rows' budgets
+    are read off its order right after (``v1_after_update``).
+    """
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, int] = {}  # V1: requests with a budget
+        self.rows: list[int | None] = []  # V1: this step's rows
+        self.by_slot: dict[int, int | None] = {}  # V2: budget by slot
+        self._prompt_lens = np.full(0, -1, dtype=np.int64)  # V2: by slot
+
+    def v1_before_update(self, scheduler_output) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.by_request.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            budget = planned_budget(new.sampling_params)
+            if budget is None:
+                self.by_request.pop(new.req_id, None)
+            else:
+                self.by_request[new.req_id] = budget
+
+    def v1_after_update(self, req_ids: list[str | None]) -> None:
+        by_request = self.by_request
+        self.rows = [by_request.get(r) for r in req_ids] if by_request else []
+
+    def v2_add(self, scheduler_output, req_id_to_index: dict[str, int]) -> None:
+        for new in scheduler_output.scheduled_new_reqs:
+            slot = req_id_to_index.get(new.req_id)
+            if slot is None:
+                continue
+            self.by_slot[slot] = planned_budget(new.sampling_params)
+            if slot >= self._prompt_lens.size:
+                grown = np.full(max(2 * self._prompt_lens.size, slot + 1), -1,
+                                dtype=np.int64)
+                grown[: self._prompt_lens.size] = self._prompt_lens
+                self._prompt_lens = grown
+            self._prompt_lens[slot] = new.prompt_len
+
+    def prompt_lens_for_slots(self, slots: np.ndarray) -> np.ndarray:
+        """V2: each slot's prompt length, -1 where none was recorded."""
+        out = np.full(slots.shape, -1, dtype=np.int64)
+        known = slots < self._prompt_lens.size
+        out[known] = self._prompt_lens[slots[known]]
+        return out
+
+    def budgets_for_slots(self, slots) -> list[int | None]:
+        return [self.by_slot.get(s) for s in slots]
+
+    def budgets_for_rows(self, cm) -> list[int | None]:
+        n = cm.num_reqs
+        if cm.req_idx is not None:
+            return self.budgets_for_slots(np.asarray(cm.req_idx[:n]).tolist())
+        rows = self.rows[:n]
+        return rows + [None] * (n - len(rows))
+
+
+@dataclass
+class Counters:
+    """Process-local counts (read by the benchmarks). Counting is always on
+    (a few integer adds per step); timing Stage 1 needs a device sync on
+    GPUs, so it is opt-in: ROCKETKV_TIMING=1."""
+
+    prompts_compressed: int = 0
+    prompt_tokens_evicted: int = 0  # per KV head
+    decode_tokens_compressed: int = 0  # Stage 2 tokens (all layers count once)
+    stage1_seconds: float = 0.0  # all layers, only with ROCKETKV_TIMING=1
+    timing: bool = field(default_factory=lambda: os.environ.get(
+        "ROCKETKV_TIMING", "0") not in ("", "0"), repr=False)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("timing")
+        return d
+
+    @contextmanager
+    def stage1_timer(self, device: torch.device):
+        if not self.timing:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.stage1_seconds += time.perf_counter() - start
+
+
+class WorkerState:
+    def __init__(self) -> None:
+        self.requests = WorkerRequests()
+        # FULL CUDA graph guard (backend.graphs), set by the builder when this
+        # engine's decode steps replay FULL graphs; the runner hooks read it.
+        self.graph_guard = None
+        self.counters = Counters()
+
+
+_WORKERS: dict[int, WorkerState] = {}
+
+
+def worker_state(vllm_config) -> WorkerState:
+    """The ``WorkerState`` of the engine this ``VllmConfig`` belongs to
+    (created on first use; gone with the config object)."""
+    key = id(vllm_config)
+    state = _WORKERS.get(key)
+    if state is None:
+        state = _WORKERS[key] = WorkerState()
+        weakref.finalize(vllm_config, _WORKERS.pop, key, None)
+    return state
+
+
+def existing_worker_state(vllm_config) -> WorkerState | None:
+    """The state if a ROCKETKV builder or impl made one for this engine (so
+    the runner hooks leave engines with other backends alone)."""
+    return _WORKERS.get(id(vllm_config))
