@@ -46,7 +46,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-int(a) // int(b))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -31,11 +31,13 @@ from rocketkv_vllm.kernels._utils import (
     row_vectors,
 )
 from rocketkv_vllm.kernels.sparse_decode import (
+    FP32_TILE_TOKENS,
     _attend_tile,
     _load_kv,
     _load_q,
     _prepare,
     _store_result,
+    launch_options,
     merge_splits,
     plan_splits,
 )
@@ -93,8 +95,11 @@ def dense_decode(
 ) -> torch.Tensor:
     """Decode attention of query [B, Hq, d] over slots [0, seq_lens[b]) of
     each row (max_seq_len: a Python int >= every seq_lens[b]); k_cache,
-    v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary)."""
+    v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary); block_n:
+    tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache)."""
     query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
+    if k_cache.dtype == torch.float32:  # see sparse_decode.launch_options
+        block_n = min(block_n, FP32_TILE_TOKENS)
     batch = query.shape[0]
     assert block_table.stride(-1) == 1
     if batch == 0:
@@ -118,8 +123,7 @@ def dense_decode(
         out.stride(0), out.stride(1),
         G=group, G_PAD=group_pad(group), D=d, D_PAD=head_pad(d), BS=bs,
         BLOCK_N=block_n,
-        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct,
-        num_warps=4, num_stages=2,
+        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct, **launch_options(k_cache.dtype),
     )
     if not direct:
         merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)

@@ -193,6 +193,18 @@ def _merge_splits_kernel(
              res.to(out_ptr.dtype.element_ty), mask=(d < D) & ((d * 0 + seq) > 0))
 
 
+# Launch settings from compile_kernels.py's register counts (Triton 3.6 and
+# 3.9, sm_80 / sm_90): 16-bit caches pipeline their K/V loads 3 deep (no
+# spills; 2 stages spilled a few bytes at d 64 on sm_90); fp32 caches use
+# 16-token tiles, unpipelined: an fp32 dot runs on FMAs and holds its whole
+# reduction dim per thread (64-token tiles spilled up to 9 KB a thread).
+FP32_TILE_TOKENS = 16
+
+
+def launch_options(dtype: torch.dtype) -> dict:
+    return dict(num_warps=4, num_stages=1 if dtype == torch.float32 else 3)
+
+
 def plan_splits(num_tiles: int, num_programs: int, device: torch.device,
                 num_splits: int | None = None) -> tuple[int, int]:
     """(splits, tiles per split) for num_tiles tiles of work per program row:
@@ -253,8 +265,11 @@ def sparse_decode(
     scalars are device integer tensors [B]; block_table [B, max_blocks].
     k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary).
     Returns ``out`` [B, Hq, d] (allocated in the cache dtype if not given).
+    tile_tokens: tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache).
     """
     query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
+    if k_cache.dtype == torch.float32:
+        tile_tokens = min(tile_tokens, FP32_TILE_TOKENS)
     batch = query.shape[0]
     assert sel.shape[:2] == (batch, hkv) and sel.stride(-1) == 1
     assert block_table.stride(-1) == 1 and bs % page_size == 0
@@ -285,8 +300,7 @@ def sparse_decode(
         out.stride(0), out.stride(1),
         G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
         PAGES_PER_TILE=pages_per_tile,
-        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct,
-        num_warps=4, num_stages=2,
+        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct, **launch_options(k_cache.dtype),
     )
     if not direct:
         merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)

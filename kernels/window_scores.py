@@ -43,13 +43,32 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                 DK: tl.constexpr):
+    """q . k^T [BLOCK_M, BLOCK_N] for fp32 queries: IEEE fp32 dots over DK
+    channels at a time, each continuing the previous one's accumulator (the
+    same sequential FMA sum as one dot over d; an FMA dot holds its whole
+    reduction dim per thread, so a single one over d spills)."""
+    s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c0 in tl.static_range(0, D_PAD, DK):
+        dc = c0 + tl.arange(0, DK)
+        dc_ok = dc < D
+        q = tl.load(q_rows + dc[None, :], mask=row_ok[:, None] & dc_ok[None, :], other=0.0)
+        k = tl.load(k_rows + dc[None, :] * stride_kd, mask=k_ok[:, None] & dc_ok[None, :],
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), s, input_precision="ieee")
+    return s
+
+
+@triton.jit
 def _window_stats_kernel(
     q_ptr, k_ptr, bt_ptr, m_ptr, l_ptr,
     n_tokens, num_rows, num_rows_pad, num_chunks, scale_log2,
     stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_kd,
     W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, UPCAST: tl.constexpr,
+    CHUNK: tl.constexpr, UPCAST: tl.constexpr, DK: tl.constexpr,
 ):
     h = tl.program_id(0)
     rb = tl.program_id(1)
@@ -60,10 +79,9 @@ def _window_stats_kernel(
     gi = rows % G
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    q = tl.load(
-        q_ptr + wi[:, None] * stride_qw + (h * G + gi)[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )
+    q_rows = q_ptr + wi[:, None] * stride_qw + (h * G + gi)[:, None] * stride_qh
+    if DK == D_PAD:
+        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = n_tokens - W + wi
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -74,12 +92,15 @@ def _window_stats_kernel(
         keys = n0 + tl.arange(0, BLOCK_N)
         k_ok = keys < hi
         blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
-        k = tl.load(
-            k_ptr + blk[:, None] * stride_kb + h * stride_kh
-            + (keys % BS)[:, None] * stride_ks + d[None, :] * stride_kd,
-            mask=k_ok[:, None] & d_ok[None, :], other=0.0,
-        )
-        s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * scale_log2
+        k_rows = k_ptr + blk[:, None] * stride_kb + h * stride_kh + (keys % BS)[:, None] * stride_ks
+        if DK == D_PAD:
+            k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            s = mma(q, tl.trans(k.to(q.dtype)), UPCAST)
+        else:
+            s = _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D,
+                             D_PAD, DK)
+        s = s * scale_log2
         valid = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -97,7 +118,7 @@ def _window_colsum_kernel(
     num_cols, num_rows, num_rows_pad, scale_log2,
     stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_kd, stride_oh,
     G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DK: tl.constexpr,
 ):
     h = tl.program_id(0)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,23 +126,25 @@ def _window_colsum_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
-    k = tl.load(
-        k_ptr + blk[:, None] * stride_kb + h * stride_kh
-        + (keys % BS)[:, None] * stride_ks + d[None, :] * stride_kd,
-        mask=k_ok[:, None] & d_ok[None, :], other=0.0,
-    )
+    k_rows = k_ptr + blk[:, None] * stride_kb + h * stride_kh + (keys % BS)[:, None] * stride_ks
+    if DK == D_PAD:
+        k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :],
+                    other=0.0)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, num_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
         wi = rows // G
         gi = rows % G
-        q = tl.load(
-            q_ptr + wi[:, None] * stride_qw + (h * G + gi)[:, None] * stride_qh + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-        )
+        q_rows = q_ptr + wi[:, None] * stride_qw + (h * G + gi)[:, None] * stride_qh
         lse = tl.load(lse_ptr + h * num_rows_pad + rows, mask=row_ok, other=0.0)
-        s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * scale_log2
+        if DK == D_PAD:
+            q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            s = mma(q, tl.trans(k.to(q.dtype)), UPCAST)
+        else:
+            s = _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D,
+                             D_PAD, DK)
+        s = s * scale_log2
         p = tl.exp2(s - lse[:, None])
         p = tl.where(row_ok[:, None] & k_ok[None, :], p, 0.0)
         acc += tl.sum(p, 0)
@@ -165,6 +188,9 @@ def window_scores(
     num_chunks = cdiv(n, chunk)
     scale_log2 = float(scale) * _LOG2E
     upcast = dot_upcast(q_win.dtype)
+    # fp32 queries (an FMA dot): the channels DK at a time; 16-bit ones, one
+    # tensor-core dot over d
+    dk = d_pad if q_win.dtype in (torch.bfloat16, torch.float16) else min(d_pad, 16)
     dev = k_cache.device
 
     part_m = torch.empty(hkv, num_chunks, rows_pad, device=dev, dtype=torch.float32)
@@ -175,7 +201,7 @@ def window_scores(
         n, num_rows, rows_pad, num_chunks, scale_log2,
         q_win.stride(0), q_win.stride(1), *cache_strides(k_cache),
         W=w, G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        CHUNK=chunk, UPCAST=upcast, num_warps=4,
+        CHUNK=chunk, UPCAST=upcast, DK=dk, num_warps=4,
     )
     m = part_m.amax(dim=1)  # every row sees key 0, so m is finite
     lse = m + torch.log2((part_l * torch.exp2(part_m - m[:, None])).sum(dim=1))
@@ -188,7 +214,7 @@ def window_scores(
             num_cols, num_rows, rows_pad, scale_log2,
             q_win.stride(0), q_win.stride(1), *cache_strides(k_cache), out.stride(0),
             G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-            UPCAST=upcast, num_warps=4,
+            UPCAST=upcast, DK=dk, num_warps=4,
         )
     return out
 

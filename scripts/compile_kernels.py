@@ -586,7 +586,8 @@ def unique_rows(records: list[dict], configs: list[Config]) -> list[dict]:
             vals = [r.get(k) for r in recs if r.get(k) is not None]
             row[k] = max(vals) if vals else None
         rows.append(row)
-    rows.sort(key=lambda r: (r["launcher"], r["kernel"], r["d"], r["dtype"], r["config"], r["target"]))
+    rows.sort(key=lambda r: (r["launcher"], r["kernel"], r["d"], r["dtype"], r["config"],
+                             r["target"]))
     return rows
 
 
@@ -597,7 +598,8 @@ def print_table(rows: list[dict], with_before: bool, out=sys.stdout) -> None:
         head += ["regs before", "spills before"]
     table = [head]
     for r in rows:
-        line = [r["launcher"], r["kernel"], r["config"], r["target"], str(r["num_warps"]), str(r["regs"]),
+        line = [r["launcher"], r["kernel"], r["config"], r["target"], str(r["num_warps"]),
+                str(r["regs"]),
                 f"{r['spill_stores']}/{r['spill_loads']}", str(r["smem"]),
                 str(r["blocks_per_sm"])]
         if with_before:
@@ -733,7 +735,8 @@ def main(argv=None) -> int:
             configs=[c.name for c in configs],
             errors=errors,
             summary=summary(records),
-            kernels=[{k: r[k] for k in ("launcher", "kernel", "config", "target", "num_warps", "regs",
+            kernels=[{k: r[k] for k in ("launcher", "kernel", "config", "target", "num_warps",
+                                        "regs",
                                         "spill_stores", "spill_loads", "stack", "smem",
                                         "blocks_per_sm", "before_regs", "before_spills")
                       if k in r} for r in rows],

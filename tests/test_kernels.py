@@ -40,13 +40,13 @@ except ImportError:  # plain `python tests/test_kernels.py` on a bare GPU host
     pytest = None
 
 from rocketkv_vllm import paged, triton_ops  # noqa: E402
-from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
-from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.algorithm import (  # noqa: E402
     pool_scores,
     sparse_attention,
     window_attention_scores,
 )
+from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
+from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
 from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
@@ -137,7 +137,7 @@ class Cache:
         assert self.k.stride(0) > self.k[0].numel() * 2  # padded blocks
         self.kt = paged.kt_cache_view(self.kv, self.ps, self.kt_dtype)
 
-    def clone(self) -> "Cache":
+    def clone(self) -> Cache:
         other = object.__new__(Cache)
         other.__dict__.update(self.__dict__)
         other.storage = self.storage.clone()
@@ -679,7 +679,7 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused, layout, kt_dtype):
     key = torch.randn(len(specs), hkv, d, generator=gen).to(dtype).to(DEVICE)
     value = torch.randn(len(specs), hkv, d, generator=gen).to(dtype).to(DEVICE)
     ref = c.clone()
-    for b, (nc, ts, seq) in enumerate(specs):
+    for b, (_nc, _ts, seq) in enumerate(specs):
         if seq == 0:
             continue
         flat = (rows[b][seq // bs].long() * bs + seq % bs).view(1)
@@ -736,7 +736,7 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
             c.poison_pages(rows[b], list(range(first_free, ts, ps)))
     # a new token per row (stored before the call, as the backend does)
     seqs = [s[2] + 1 if s[2] else 0 for s in specs]
-    for b, (nc, ts, seq) in enumerate(specs):
+    for b, (_nc, _ts, seq) in enumerate(specs):
         if seq:
             state = gen.get_state()
             c.fill(rows[b], seq, seq + 1, gen)
@@ -782,7 +782,7 @@ def test_hsa_decode_batch_at_cuda_graph_shapes(hkv, g, d, bs, ps, dtype, force, 
                             layout=layout, kt_dtype=kt_dtype)
     seqs = [s[2] + 1 if s[2] else 0 for s in specs]
     gen = torch.Generator().manual_seed(9)
-    for b, (nc, ts, seq) in enumerate(specs):
+    for b, (_nc, _ts, seq) in enumerate(specs):
         if seq:
             c.fill(rows[b], seq, seq + 1, gen)
     topk = [4 * ps, ps, 100 * ps, 3 * ps, ps]
@@ -845,7 +845,7 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
     specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33), (40, 128, 140)]
     c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=2, poison=False)
     gen = torch.Generator().manual_seed(4)
-    for b, (nc, ts, seq) in enumerate(specs):
+    for b, (_nc, _ts, seq) in enumerate(specs):
         c.fill(rows[b], seq, seq + 1, gen)  # each row's new token
     q = torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype)
     table = _table(rows)
