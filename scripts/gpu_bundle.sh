@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
 # gpu_bundle.sh: run HERE (package index reachable), before a session that has the H200.
-# Prepares everything scripts/gpu_check.sh needs there, in the git-ignored folder .gpu-bundle/:
-#   .gpu-bundle/vllm/partsN  vLLM 0.32.0 offline bundle, built with the shared recipe
-#                            (../shared/offline-gpu/build_bundle.sh: ~135 MiB of xz in parts of
-#                            <= 45 MiB; ~2-4 min of CPU, downloads cached in ~/.cache)
-#   .gpu-bundle/model/       the embedded SmolLM2 as GGUF + metadata (scripts/gpu_model.py pack;
-#                            94 MiB; the prepared bf16 model is 257 MiB, too big to carry)
-#   .gpu-bundle/tK/          one folder per device call, each the `carry` of that call:
-#                            bundle part K (for K <= parts), a slice of the model payload,
-#                            the recipe's stage.sh + install.sh, TRANSFER_INFO
-# Each tK is sized so that it plus the working tree (tracked + untracked-not-ignored files)
-# stays under the device's 64 MiB per call (LIMIT_MIB) with MARGIN_MIB to spare. With today's
-# tree (~0.3 MiB) that is 4 calls: three bundle parts each topped up with model slices, then
-# the rest of the model. Prints the exact device calls at the end.
-# Env: OFFLINE_GPU (recipe dir, default ../shared/offline-gpu)  VLLM_PARTS (a folder that
-#      already holds parts1..N: no build)  REBUILD=1 (rebuild bundle and model payload)
-#      LIMIT_MIB (64)  MARGIN_MIB (2)  PY (.venv/bin/python, else python3)
+# Prepares what scripts/gpu_check.sh needs there, in the git-ignored folder .gpu-bundle/:
+#   vllm/partsN        vLLM 0.32.0 offline bundle from the shared recipe (../shared/offline-gpu/
+#                      build_bundle.sh: ~135 MiB of xz, downloads cached in ~/.cache; built once)
+#   vllm-trim/         that bundle slimmed further for a dense model on Hopper (gpu_pack.py trim:
+#                      MoE / MLA / KDA / DeepSeek-indexer kernels, Mistral vocabularies, country-
+#                      name translations; ~89 MiB of xz), repacked once (xz -9, a few minutes)
+#   model/             the embedded SmolLM2 as GGUF + metadata (scripts/gpu_model.py pack) and
+#                      payload.tar.xz of both (~87 MiB; the bf16 model would be 257 MiB)
+#   tK/                one folder per device call, each the `carry` of that call (gpu_pack.py
+#                      split): a bundle chunk and/or a model slice, the recipe's stage.sh and
+#                      install.sh, TRANSFER_INFO. Each tK plus the working tree (tracked +
+#                      untracked-not-ignored files) stays under the device's 64 MiB per call.
+# Then prints the plan (scripts/gpu_plan.py plan): the device calls, what each sends, the time
+# each step is given, all inside 12 minutes. Today: 3 calls.
+# Env: OFFLINE_GPU (recipe dir, default ../shared/offline-gpu)  VLLM_PARTS (a folder that already
+#      holds parts1..N: no build)  REBUILD=1 (rebuild everything)  TRIM=0 (carry the recipe's
+#      bundle as it is: 4 calls)  PY (.venv/bin/python, else python3)
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 OFFLINE=${OFFLINE_GPU:-$ROOT/../shared/offline-gpu}
 B=.gpu-bundle
-LIMIT=$(( ${LIMIT_MIB:-64} * 1048576 ))
-MARGIN=$(( ${MARGIN_MIB:-2} * 1048576 ))
 PY=${PY:-}
 [ -n "$PY" ] || { [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3; }
 REBUILD=${REBUILD:-0}
-mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
-bytes() { du -cb "$@" | tail -1 | cut -f1; }
+TRIM=${TRIM:-1}
+# the recipe's reproducible tar options (same order, owner and time stamp)
+TAR=(tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@1792195200)
 
 # 0. the folder must never travel except as a carry, nor be committed
 exclude=$(git rev-parse --git-path info/exclude)
@@ -49,99 +49,55 @@ else
   bash "$OFFLINE/build_bundle.sh" "$ROOT/$B/vllm"
   PARTS_DIR=$ROOT/$B/vllm
 fi
-mapfile -t PARTS < <(ls -d "$PARTS_DIR"/parts[0-9]* | sort -V)
-NP=${#PARTS[@]}
-[ "$NP" -gt 0 ] || { echo "gpu_bundle: no parts in $PARTS_DIR"; exit 1; }
 for f in stage.sh install.sh; do
   [ -f "$OFFLINE/$f" ] || { echo "gpu_bundle: $OFFLINE/$f missing"; exit 1; }
 done
+# shellcheck disable=SC1091
+. "$PARTS_DIR/parts1/BUNDLE_INFO"   # PREFIX NPARTS BYTES SHA256 of the recipe's archive
+RECIPE_SHA=$SHA256
 
-# 2. model payload: one uncompressed tar of the GGUF and its metadata
+# 2. the archive that travels: trimmed (default) or the recipe's
+if [ "$TRIM" = 1 ]; then
+  ARCHIVE=$B/vllm-trim/vllm32.tar.xz
+  STAMP="recipe $RECIPE_SHA trim $("$PY" scripts/gpu_pack.py trim-id)"
+  if [ "$REBUILD" = 1 ] || [ ! -f "$ARCHIVE" ] || [ "$(cat "$B/vllm-trim/SOURCE" 2>/dev/null)" != "$STAMP" ]; then
+    echo "gpu_bundle: trimming the bundle (unpack, gpu_pack.py trim, xz -9: a few minutes)"
+    rm -rf "$B/vllm-trim" && mkdir -p "$B/vllm-trim/x"
+    cat "$PARTS_DIR"/parts*/"$PREFIX".[0-9][0-9] | xz -d | tar -x -C "$B/vllm-trim/x"
+    "$PY" scripts/gpu_pack.py trim "$B/vllm-trim/x/vllm32"
+    "${TAR[@]}" -C "$B/vllm-trim/x" -cf - vllm32 | xz -9 -T0 > "$ARCHIVE.tmp"
+    mv "$ARCHIVE.tmp" "$ARCHIVE"
+    rm -rf "$B/vllm-trim/x"
+    echo "$STAMP" > "$B/vllm-trim/SOURCE"
+  else
+    echo "gpu_bundle: reusing $ARCHIVE (made from recipe bundle ${RECIPE_SHA:0:16})"
+  fi
+else
+  ARCHIVE=$B/vllm-full.tar.xz
+  cat "$PARTS_DIR"/parts*/"$PREFIX".[0-9][0-9] > "$ARCHIVE"
+fi
+
+# 3. model payload: GGUF + metadata (gpu_model.py pack checks the rebuild here), then one xz
 if [ "$REBUILD" = 1 ] || [ ! -f "$B/model/smollm2.gguf" ] || [ ! -f "$B/model/smollm2-meta.tar.xz" ]; then
   "$PY" scripts/gpu_model.py pack "$B/model"
 fi
-WORK=$B/work
-rm -rf "$WORK" && mkdir -p "$WORK"
-tar -cf "$WORK/model.tar" -C "$B/model" smollm2.gguf smollm2-meta.tar.xz
-MBYTES=$(stat -c %s "$WORK/model.tar")
-MSHA=$(sha256sum "$WORK/model.tar" | cut -d' ' -f1)
+MSTAMP=$(cat "$B/model/smollm2.gguf" "$B/model/smollm2-meta.tar.xz" | sha256sum | cut -d' ' -f1)
+if [ "$REBUILD" = 1 ] || [ ! -f "$B/model/payload.tar.xz" ] || [ "$(cat "$B/model/payload.src" 2>/dev/null)" != "$MSTAMP" ]; then
+  echo "gpu_bundle: compressing the model payload (xz -9e: a few minutes)"
+  "${TAR[@]}" -C "$B/model" -cf - smollm2.gguf smollm2-meta.tar.xz | xz -9e -T0 > "$B/model/payload.tar.xz.tmp"
+  mv "$B/model/payload.tar.xz.tmp" "$B/model/payload.tar.xz"
+  echo "$MSTAMP" > "$B/model/payload.src"
+fi
 
-# 3. what else travels with every call: the working tree
+# 4. lay the transfers out: what travels with every call is the working tree
 TREE=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- | tail -1 | cut -f1)
-TOOLS=$(bytes "$OFFLINE/stage.sh" "$OFFLINE/install.sh")
-CAP=$(( LIMIT - MARGIN - TREE - TOOLS - 16384 ))   # 16 KiB: info and checksum files
-echo "gpu_bundle: per call $(mib $LIMIT) MiB = tree $(mib "$TREE") + margin $(mib $MARGIN)" \
-     "+ tools + payload <= $(mib $CAP) MiB; model payload $(mib "$MBYTES") MiB; $NP bundle parts"
+CAP=$("$PY" -c "import sys; sys.path.insert(0, 'scripts'); import gpu_plan; print(gpu_plan.call_cap($TREE))")
+echo "gpu_bundle: per call: $(( CAP / 1048576 )) MiB of payload beside the tree" \
+     "($(( TREE / 1024 )) KiB); bundle $(( $(stat -c %s "$ARCHIVE") / 1048576 )) MiB," \
+     "model $(( $(stat -c %s "$B/model/payload.tar.xz") / 1048576 )) MiB"
+"$PY" scripts/gpu_pack.py split --bundle "$ARCHIVE" --model "$B/model/payload.tar.xz" \
+  --out "$B" --cap "$CAP" --tree "$TREE" --tools "$OFFLINE/stage.sh" "$OFFLINE/install.sh"
 
-# 4. lay out the transfers: part K + model slices while model bytes remain
-rm -rf "$B"/t[0-9]*
-off=0; k=0; slices=()
-while [ "$k" -lt "$NP" ] || [ "$off" -lt "$MBYTES" ]; do
-  k=$((k + 1)); T=$B/t$k
-  mkdir -p "$T/tools"
-  cp "$OFFLINE/stage.sh" "$OFFLINE/install.sh" "$T/tools/"
-  used=0
-  if [ "$k" -le "$NP" ]; then
-    cp -r "${PARTS[$((k - 1))]}" "$T/parts$k"
-    used=$(bytes "$T/parts$k")
-  fi
-  room=$(( CAP - used ))
-  [ "$room" -ge 0 ] || { echo "gpu_bundle: part $k alone is over the per-call limit"; exit 1; }
-  n=$(( MBYTES - off < room ? MBYTES - off : room ))
-  if [ "$n" -gt 0 ]; then
-    idx=$(( ${#slices[@]} + 1 )); name=$(printf 'model.tar.%02d' "$idx")
-    mkdir -p "$T/model"
-    dd if="$WORK/model.tar" of="$T/model/$name" bs=1M iflag=skip_bytes,count_bytes \
-       skip="$off" count="$n" status=none
-    (cd "$T/model" && sha256sum "$name" > SHA256SUMS)
-    slices+=("$name")
-    off=$((off + n))
-  fi
-done
-NT=$k
-for i in $(seq 1 "$NT"); do
-  [ -d "$B/t$i/model" ] && printf 'PREFIX=model.tar\nNPIECES=%s\nBYTES=%s\nSHA256=%s\n' \
-    "${#slices[@]}" "$MBYTES" "$MSHA" > "$B/t$i/model/MODEL_INFO"
-done
-rm -rf "$WORK"
-
-# 5. what each call runs (gpu_check.sh STEP reads TRANSFER_INFO): kernel tests as soon as
-#    possible, vLLM install + kernel benchmark once the bundle is complete, the model-based
-#    end-to-end checks in the last call
-declare -A TASK_OF
-add() { case " ${TASK_OF[$1]:-} " in *" $2 "*) ;; *) TASK_OF[$1]="${TASK_OF[$1]:-} $2" ;; esac; }
-add 1 tests
-add "$NP" install; add "$NP" kernels
-for t in install model e2e serve e2e-bench; do add "$NT" "$t"; done
-for i in $(seq 1 "$NT"); do
-  printf 'STEP=%s\nNSTEPS=%s\nTASKS="%s"\n' "$i" "$NT" "${TASK_OF[$i]:-}" | sed 's/=" /="/' \
-    > "$B/t$i/TRANSFER_INFO"
-done
-
-# 6. the plan
+# 5. the plan
 echo
-echo "== GPU check: $NT device calls, back to back"
-echo "   A machine stays warm only ~30 s after a call and /tmp/stage must survive between"
-echo "   calls, so issue each call right after the previous one returns. Files come back"
-echo "   under the call's files_at: copy the JSON files into results/ before the next call."
-for i in $(seq 1 "$NT"); do
-  size=$(bytes "$B/t$i")
-  # shellcheck disable=SC1090
-  . "$B/t$i/TRANSFER_INFO"
-  case $i in
-    1) budget=150 ;;
-    "$NT") budget=540 ;;
-    *) if [ -n "$TASKS" ]; then budget=330; else budget=60; fi ;;
-  esac
-  echo
-  echo "call $i: run(command=\"GPU_CHECK_BUDGET=$budget bash scripts/gpu_check.sh $i\","
-  echo "            carry=[\".gpu-bundle/t$i\"], timeout_s=$((budget + 30)))"
-  echo "   sends $(mib $((size + TREE))) MiB (carry $(mib "$size") + tree $(mib "$TREE"));" \
-       "stages $(ls "$B/t$i" | grep -E '^parts' || echo 'no bundle part')" \
-       "+ $(ls "$B/t$i/model" 2>/dev/null | grep -c '^model.tar') model slice(s);" \
-       "tasks: ${TASKS:-none (stage only)}"
-done
-echo
-echo "Reruns on the same warm machine (nothing carried): bash scripts/gpu_check.sh run TASK..."
-echo "(tasks: tests install kernels model e2e serve e2e-bench). Results: \$OUT/stepK.log,"
-echo "kernels-h200.json, checks-h200.json, e2e-h200.json, serve.log."
+"$PY" scripts/gpu_plan.py plan --bundle-dir "$B" --tree-bytes "$TREE"

@@ -101,7 +101,8 @@ def rebuild(gguf_path: str, meta_tar: str, out: str, allow_mismatch: bool = Fals
             w = reverse_permute(w, n_head)
         elif ".attn_k." in t.name:
             w = reverse_permute(w, n_kv)
-        tensors[hf_name(t.name)] = torch.from_numpy(np.array(w)).to(torch.bfloat16)  # copy: mmap is read-only
+        # np.array copies: the GGUF's mmap is read-only
+        tensors[hf_name(t.name)] = torch.from_numpy(np.array(w)).to(torch.bfloat16)
     want = manifest["tensors"]
     bad = [k for k in want if k not in tensors or tensor_sha(tensors[k]) != want[k]["sha256"]]
     extra = [k for k in tensors if k not in want]
