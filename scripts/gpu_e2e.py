@@ -42,8 +42,8 @@ OpenAI chat request ("What is the capital of France?": PASS if the answer says P
 long completion that is compressed; the server log must show "ROCKETKV settings".
 
 Results are merged into --out (JSON, under a lock: steps may run side by side).
-Exit status: engine 0 when every prompt set ran, 2 on an error; compare 1 when a check FAILs;
-serve 1 when it FAILs.
+Exit status: engine 0 when every prompt set ran, non-zero on an error; compare 1 when a check
+FAILs; serve 1 when it FAILs.
 """
 
 from __future__ import annotations
@@ -194,9 +194,10 @@ def prompt_sets(tokenizer) -> dict:
     from rocketkv_eval.needle import build_needle_prompt
 
     def chat(text: str) -> list[int]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # as rocketkv_eval.needle renders its prompts: the template holds the special tokens
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                               tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
 
     eq = [chat("What is the capital of France? Answer in one sentence."),
           chat("Write a short poem about the sea."),

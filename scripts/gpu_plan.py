@@ -178,15 +178,26 @@ def remaining_s(budget_left: float, start_left: float) -> float:
     return window_s(start_left) - max(0.0, start_left - budget_left)
 
 
+def own_cost(call: int, sends: list[int], est: Estimates, since_last: float | None) -> float:
+    """What call ``call`` costs before its command starts, plus the return of its files: the
+    estimate, or on the device (calls after the first) ``since_last``, the seconds since the
+    previous call's command ended. The status was read after that, so since_last bounds the
+    part of the gap after it plus the transfer from above: the limits then hold whatever the
+    transfer rate really was."""
+    if since_last is not None and call > 1:
+        return since_last + est.call_s
+    return est.transfer_s(sends[call - 1]) + (est.start_s if call == 1 else 0.0)
+
+
 def call_limit(call: int, ncalls: int, budget_left: float, start_left: float,
-               sends: list[int], est: Estimates | None = None) -> int:
+               sends: list[int], est: Estimates | None = None,
+               since_last: float | None = None) -> int:
     """Seconds call ``call`` (1-based) of ``ncalls`` may run its command, read off the budget
     just before the call; ``sends`` are the bytes each call sends. A staging call gets what it
     needs (STAGE_CALL_S) if the later calls still fit; the last call gets the rest of the window,
     less its transfer, the return of its files and SLACK_S (its run() timeout_s adds SLACK_S)."""
     est = est or Estimates()
-    left = remaining_s(budget_left, start_left)
-    left -= est.transfer_s(sends[call - 1]) + (est.start_s if call == 1 else 0.0)
+    left = remaining_s(budget_left, start_left) - own_cost(call, sends, est, since_last)
     if call < ncalls:
         later = sum(est.gap_s + est.transfer_s(sends[j]) + est.stage_s
                     for j in range(call, ncalls - 1))
@@ -196,16 +207,16 @@ def call_limit(call: int, ncalls: int, budget_left: float, start_left: float,
 
 
 def deadline_in(call: int, ncalls: int, budget_left: float, start_left: float,
-               sends: list[int], est: Estimates | None = None) -> float:
+               sends: list[int], est: Estimates | None = None,
+               since_last: float | None = None) -> float:
     """Seconds from call ``call``'s command start until the worker must have stopped: the last
     call's own limit. From a staging call it is an estimate (later transfers run while the
     worker works, so only the last call's return and the slack come off); each call refines it
     with a fresh budget_left."""
     est = est or Estimates()
     if call == ncalls:
-        return float(call_limit(call, ncalls, budget_left, start_left, sends, est))
-    left = remaining_s(budget_left, start_left)
-    left -= est.transfer_s(sends[call - 1]) + (est.start_s if call == 1 else 0.0)
+        return float(call_limit(call, ncalls, budget_left, start_left, sends, est, since_last))
+    left = remaining_s(budget_left, start_left) - own_cost(call, sends, est, since_last)
     # ... and the last call's command runs at most COMMAND_MAX_S - SLACK_S
     until_last = est.stage_s + sum(est.gap_s + est.transfer_s(sends[j]) + est.stage_s
                                    for j in range(call, ncalls - 1))
@@ -401,6 +412,9 @@ def make_plan(tree: int, carries: list[int], staged: dict, budget_left: float,
                             f"{LIMIT_MIB} MiB")
         if c["limit_s"] <= 0:
             problems.append(f"call {c['call']} has no time left to run")
+    for s in sim["steps"]:
+        if not step(s["step"]).filler and s["status"] not in ("ok",):
+            problems.append(f"step {s['step']}: {s['status']} in the expected timeline")
     if sim["expected_end_s"] > sim["window_s"]:
         problems.append(f"expected end {sim['expected_end_s']} s > window {sim['window_s']} s")
     if sim["bound_s"] > sim["window_s"] + 1:

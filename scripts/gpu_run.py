@@ -44,6 +44,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+import gpu_e2e  # noqa: E402  (standard library at import time)
 import gpu_plan  # noqa: E402
 
 TAG = "h200"
@@ -248,6 +249,19 @@ def attempt_runner(name: str, st: State, env_v1: bool) -> str:
     return "v2?"
 
 
+def environment() -> dict:
+    """The card as nvidia-smi reads it, and this interpreter (for results/)."""
+    env = {"python": sys.version.split()[0]}
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+        if r.returncode == 0 and r.stdout.strip():
+            env["nvidia_smi"] = r.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return env
+
+
 # ---------------------------------------------------------------- the worker
 class Worker:
     """Runs the steps (see the module docstring). ``steps``/``command`` can be replaced (tests)."""
@@ -271,6 +285,7 @@ class Worker:
         self.v1: set[str] = set()        # steps to run (again) with VLLM_USE_V2_MODEL_RUNNER=0
         self.preempted: set[str] = set()
         self.events: list[str] = []
+        self.environment = environment()
 
     # -- bookkeeping
     def say(self, msg: str) -> None:
@@ -293,7 +308,7 @@ class Worker:
         write_json(self.st.summary, {
             "worker": state, "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "deadline_in_s": round(c.get("deadline", now()) - now()), "calls": c.get("calls", []),
-            "steps": steps, "events": self.events[-200:]})
+            "environment": self.environment, "steps": steps, "events": self.events[-200:]})
 
     # -- one step
     def start(self, s: gpu_plan.Step, timeout: int) -> None:
@@ -394,13 +409,12 @@ class Worker:
             if os.path.exists(raw):
                 os.replace(raw, os.path.join(self.st.work, f"{name[4:]}-v2.json"))
             checks = os.path.join(self.st.out, f"checks-{TAG}.json")
-            data = read_json(checks, {})
-            for key, c in list(data.items()):
-                if isinstance(c, dict) and name in c.get("blame", []) and \
-                        c.get("status") == "FAIL":
-                    data[f"{key} [model runner V2]"] = c
-            if data:
-                write_json(checks, data)
+            data = read_json(checks, {}) or {}
+            failed = {f"{key} [model runner V2]": c for key, c in data.items()
+                      if isinstance(c, dict) and name in c.get("blame", [])
+                      and c.get("status") == "FAIL" and "[" not in key}
+            if failed:
+                gpu_e2e.merge_out(checks, failed)
         s = next(x for x in self.steps if x.name == name)
         self.result.pop(name, None)
         if s not in self.pending:
@@ -693,11 +707,14 @@ class Call:
         n = max(ncalls, call, 1)
         sends = (sends + [0] * n)[:n]
         est = gpu_plan.Estimates.from_env()
-        limit = gpu_plan.call_limit(call, n, budget, start_left, sends, est)
-        rel = gpu_plan.deadline_in(call, n, budget, start_left, sends, est)
+        # seconds since the previous call's command ended: bounds this call's transfer
+        since = self.t0 - control["last_end"] if control.get("last_end") else None
+        limit = gpu_plan.call_limit(call, n, budget, start_left, sends, est, since)
+        rel = gpu_plan.deadline_in(call, n, budget, start_left, sends, est, since)
         deadline = self.t0 + rel - (STOP_MARGIN_S if final else 0)
         calls = control.get("calls", []) + [{"call": call, "at": time.strftime("%H:%M:%S"),
                                              "budget_left": budget, "limit_s": limit,
+                                             "since_last_call_s": since,
                                              "staged": sorted(have), "final": final}]
         control.update(deadline=deadline, final=final, start_left=start_left, calls=calls)
         control.setdefault("first", {"budget_left": budget, "command_at": self.t0})
@@ -722,19 +739,18 @@ class Call:
             time.sleep(2)
             self.copy_out()
             self.print_summary(short=True)
+            self.mark_end()
             return 0 if self.ok else 1
         # the last call: wait for the worker, copying results as they come
         end = self.t0 + limit - STOP_MARGIN_S + 2
-        seen = 0
+        printed: set[str] = set()
         while self.worker_alive() and now() < end:
             time.sleep(2)
             self.copy_out()
-            s = read_json(st.summary, {}) or {}
-            ev = s.get("events", [])
-            for line in ev[seen:] if len(ev) >= seen else ev:
-                if " start " in line or ": " in line:
+            for line in (read_json(st.summary, {}) or {}).get("events", []):
+                if line not in printed and "compare:" not in line:
                     print("  " + line[:240], flush=True)
-            seen = len(ev)
+                printed.add(line)
         if self.worker_alive():
             open(st.stop, "w").close()
             for _ in range(16):
@@ -742,7 +758,14 @@ class Call:
                     break
                 time.sleep(0.5)
         self.copy_out()
+        self.mark_end()
         return self.print_summary()
+
+    def mark_end(self) -> None:
+        """This call's command ends now (the next call measures its transfer from here)."""
+        control = read_json(self.st.control, {}) or {}
+        control["last_end"] = now()
+        write_json(self.st.control, control)
 
     def print_summary(self, short: bool = False) -> int:
         s = read_json(self.st.summary, {}) or {}
@@ -789,7 +812,23 @@ def main(argv=None) -> int:
     st = State(a.state, a.dry_run)
     py = os.environ.get("PYTHON") or sys.executable
     write_json(st.pid, os.getpid())
-    return Worker(st, py).run()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the steps too (below)
+    w = Worker(st, py)
+    try:
+        return w.run()
+    except BaseException as exc:  # the summary must say so, and no step may outlive us
+        import traceback
+
+        traceback.print_exc()
+        w.say(f"worker FAILED: {type(exc).__name__}: {exc}")
+        if w.running:
+            why = f"stopped: worker failed ({type(exc).__name__})"
+            w.kill(list(w.running), why)
+            for name in list(w.running):
+                w.running.pop(name)["logf"].close()
+                w.result[name] = why
+        w.summary("failed")
+        return 1
 
 
 if __name__ == "__main__":
