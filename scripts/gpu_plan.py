@@ -129,7 +129,7 @@ def layout(streams: list[tuple[str, int]], cap: int) -> list[list[tuple[str, int
     for name, size in streams:
         off = 0
         while off < size:
-            if room == 0:
+            if room <= 0:
                 calls.append([])
                 room = cap
             n = min(room, size - off)
@@ -184,7 +184,7 @@ def own_cost(call: int, sends: list[int], est: Estimates, since_last: float | No
     previous call's command ended. The status was read after that, so since_last bounds the
     part of the gap after it plus the transfer from above: the limits then hold whatever the
     transfer rate really was."""
-    if since_last is not None and call > 1:
+    if since_last is not None:
         return since_last + est.call_s
     return est.transfer_s(sends[call - 1]) + (est.start_s if call == 1 else 0.0)
 
