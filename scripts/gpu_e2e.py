@@ -124,10 +124,9 @@ def merge_out(path: str | None, updates: dict) -> None:
                 data = json.load(f)
         data.update(updates)
         data.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%S"))
+        torch = sys.modules.get("torch")   # only where torch is in use: compare starts no CUDA
         with contextlib.suppress(Exception):
-            import torch
-
-            if torch.cuda.is_available():
+            if torch is not None and torch.cuda.is_available():
                 data.setdefault("gpu", torch.cuda.get_device_name(0))
         write_json(path, data)
 
@@ -512,7 +511,8 @@ def cmd_serve(args) -> int:
     log(" ".join(cmd))
     logf = open(args.log, "w")
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     if args.pid_file:  # the server has its own session: let the caller clean up too
         with open(args.pid_file, "w") as f:
             f.write(f"{proc.pid}\n")

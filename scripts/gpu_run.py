@@ -270,10 +270,6 @@ class Worker:
                  parallel: int | None = None):
         self.st, self.py = st, py
         self.steps = list(steps or gpu_plan.STEPS)
-        only = os.environ.get("GPU_CHECK_STEPS")
-        if only:
-            keep = {x.strip() for x in only.split(",") if x.strip()}
-            self.steps = [s for s in self.steps if s.name in keep]
         self.command = command or (lambda name, timeout: command_for(name, st, py, timeout))
         self.compare = compare if compare is not None else self.run_compare
         if parallel is not None:
@@ -286,6 +282,25 @@ class Worker:
         self.preempted: set[str] = set()
         self.events: list[str] = []
         self.environment = environment()
+        self.resume(os.environ.get("GPU_CHECK_STEPS"))
+
+    def resume(self, only: str | None) -> None:
+        """A worker started where one ran before (it stopped at its deadline, or a rerun)
+        does not redo the steps that ended ok; with GPU_CHECK_STEPS it runs just those, the
+        others keep their earlier result (a step that needs one that never passed is dropped)."""
+        prev = (read_json(self.st.summary, {}) or {}).get("steps", {})
+        keep = {x.strip() for x in only.split(",") if x.strip()} if only else None
+        for s in list(self.pending):
+            p = prev.get(s.name, {})
+            if keep is not None and s.name not in keep:
+                self.result[s.name] = "ok" if p.get("status") == "ok" else \
+                    f"not run ({p.get('status', 'not in GPU_CHECK_STEPS')})"
+            elif keep is None and p.get("status") == "ok":
+                self.result[s.name] = "ok"
+            else:
+                continue
+            self.attempts[s.name] = p.get("attempts", [])
+            self.pending.remove(s)
 
     # -- bookkeeping
     def say(self, msg: str) -> None:
@@ -323,7 +338,8 @@ class Worker:
         v1_note = ", VLLM_USE_V2_MODEL_RUNNER=0" if v1 else ""
         logf.write(f"$ {' '.join(argv)}\n(timeout {timeout} s{v1_note})\n")
         logf.flush()
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
+                                stderr=subprocess.STDOUT, env=env,
                                 cwd=self.st.rkv if os.path.isdir(self.st.rkv) else None,
                                 start_new_session=True)
         self.running[s.name] = {"step": s, "proc": proc, "t0": now(), "timeout": timeout,
@@ -569,11 +585,14 @@ class Call:
         self.t0 = now()
         base = os.environ.get("GPU_CHECK_STATE") or ("/tmp/gpu-check-dry" if dry else
                                                      "/tmp/gpu-check")
+        if dry and os.environ.get("GPU_CHECK_CARRY") == "t1" and os.path.isdir(base):
+            shutil.rmtree(base)   # a rehearsal's first call: a fresh machine
         self.st = State(base, dry)
         self.py = os.environ.get("PYTHON") or sys.executable
         self.out = os.environ.get("OUT") or os.path.join(base, "returned")
         os.makedirs(self.out, exist_ok=True)
         self.ok = True
+        self.proc = None
 
     def say(self, msg: str) -> None:
         line = f"[gpu_check {time.strftime('%H:%M:%S')} +{now() - self.t0:.0f}s] {msg}"
@@ -624,14 +643,17 @@ class Call:
         return ok
 
     def worker_alive(self) -> bool:
+        if self.proc is not None:          # started by this call: its child
+            return self.proc.poll() is None
         pid = read_json(self.st.pid)
         if not isinstance(pid, int):
             return False
         try:
             os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:     # an exited worker nobody reaped yet
+                return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
         except OSError:
             return False
-        return True
 
     def copy_out(self) -> None:
         """The results there are, into $OUT (files only, at most 8, each under 16 MiB)."""
@@ -729,9 +751,11 @@ class Call:
             logf = open(os.path.join(st.logs, "01-worker.log"), "a")
             proc = subprocess.Popen([self.py, __file__, "worker", "--state", st.base] +
                                     (["--dry-run"] if self.dry else []),
-                                    stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=logf,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=st.base)
             write_json(st.pid, proc.pid)
+            self.proc = proc
             self.say(f"worker started (pid {proc.pid}, its own session)")
         else:
             self.say("worker already running: it picks up what was staged")

@@ -301,6 +301,32 @@ def test_worker_keeps_to_the_deadline(tmp_path, monkeypatch):
     assert s["steps"]["tests"]["status"].startswith("skipped")
 
 
+def test_worker_resumes_and_reruns_only_what_it_is_told(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_run, "POLL_S", 0.05)
+    steps = [S("kernels", "excl"), S("install", None), S("kernels-fa", "excl", ["install"])]
+    scripts = {"kernels": "import sys; sys.exit(3)", "install": "pass", "kernels-fa": "pass"}
+    prev = {"steps": {"kernels": {"status": "ok", "attempts": [{"status": "ok", "s": 9}]},
+                      "install": {"status": "FAIL (exit 1)", "attempts": []}}}
+    # a rerun of one step: the others keep their results, a step needing a failed one is dropped
+    monkeypatch.setenv("GPU_CHECK_STEPS", "kernels-fa")
+    st, w = fake_worker(tmp_path / "a", [], {})
+    gpu_run.write_json(st.summary, prev)
+    st, w = fake_worker(tmp_path / "a", steps, scripts)
+    assert w.run() == 0
+    s = json.load(open(st.summary))["steps"]
+    assert s["kernels"]["status"] == "ok" and s["kernels"]["attempts"] == [{"status": "ok", "s": 9}]
+    assert s["kernels-fa"]["status"].startswith("skipped: needs install")
+    # a new worker after one that stopped: what ended ok is not redone, the rest runs
+    monkeypatch.delenv("GPU_CHECK_STEPS")
+    st, w = fake_worker(tmp_path / "b", [], {})
+    gpu_run.write_json(st.summary, prev)
+    st, w = fake_worker(tmp_path / "b", steps, scripts)
+    assert w.run() == 0
+    s = json.load(open(st.summary))["steps"]
+    assert s["kernels"]["status"] == "ok"                  # exit 3 would have failed it
+    assert s["install"]["status"] == "ok" and s["kernels-fa"]["status"] == "ok"
+
+
 # ---------------------------------------------------------------- compare
 def out(tokens, text="", gap=5.0):
     return {"token_ids": tokens, "text": text,
