@@ -376,7 +376,7 @@ def bundle_layout(bundle_dir: str) -> tuple[list[int], dict, int] | None:
 
 # Sizes measured on 2026-12-02 (gpu_bundle.sh): the trimmed bundle and the model payload; used
 # by `plan` when .gpu-bundle/ is not built (CI).
-DEFAULT_PAYLOAD = {"bundle": 92_200_000, "model": 90_700_000}
+DEFAULT_PAYLOAD = {"bundle": 93_410_656, "model": 90_913_456}
 
 
 def default_layout(tree: int) -> tuple[list[int], dict, int]:
