@@ -25,7 +25,10 @@ Files returned (at most 8, under 16 MiB each): summary.json, gpu-check.log (ever
 log), kernels-h200.json, kernels-fa-h200.json, checks-h200.json, e2e-h200.json.
 Environment: GPU_BUDGET_LEFT, GPU_START_LEFT (seconds), OUT, GPU_CHECK_STATE (state dir,
 default /tmp/gpu-check, dry run /tmp/gpu-check-dry), GPU_CHECK_STEPS (comma list: run only
-these steps, e.g. a rerun), PYTHON (the interpreter of the steps, default this one).
+these steps, e.g. a rerun; the others keep their results), PYTHON (the interpreter of the steps,
+default this one), GPU_CHECK_CARRY (dry run only: which .gpu-bundle/tK count as carried; t1
+starts a fresh state), GPU_EST_* (gpu_plan.Estimates). A worker started where one ran before
+does not redo the steps that ended ok.
 """
 
 from __future__ import annotations
