@@ -347,6 +347,7 @@ class Worker:
                                 start_new_session=True)
         self.running[s.name] = {"step": s, "proc": proc, "t0": now(), "timeout": timeout,
                                 "log": log_path, "logf": logf, "v1": v1}
+        self.save_groups()
         self.say(f"start {s.name} (timeout {timeout} s{', model runner V1' if v1 else ''}): "
                  f"{' '.join(argv)}")
 
@@ -369,8 +370,28 @@ class Worker:
             while now() < t_end and any(p.poll() is None for p in procs):
                 time.sleep(0.1)
 
+    def save_groups(self) -> None:
+        """The running steps' process groups, so a worker after this one can end them."""
+        write_json(os.path.join(self.st.base, "groups.json"),
+                   {n: r["proc"].pid for n, r in self.running.items()})
+
+    def end_orphans(self) -> None:
+        """Steps a worker that died (SIGKILL) left running in their own sessions."""
+        for name, pgid in (read_json(os.path.join(self.st.base, "groups.json"), {}) or {}).items():
+            try:   # only a group whose leader is still that step (pids get reused)
+                with open(f"/proc/{int(pgid)}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+                if ROOT not in cmdline and self.st.base not in cmdline:
+                    continue
+                os.killpg(int(pgid), signal.SIGKILL)
+                self.say(f"ended {name} (process group {pgid}) left by an earlier worker")
+            except (OSError, TypeError, ValueError):
+                pass
+        write_json(os.path.join(self.st.base, "groups.json"), {})
+
     def finish(self, name: str) -> None:
         r = self.running.pop(name)
+        self.save_groups()
         r["logf"].close()
         s, rc = r["step"], r["proc"].returncode
         dt = round(now() - r["t0"], 1)
@@ -465,6 +486,7 @@ class Worker:
     # -- the loop
     def run(self) -> int:
         self.say(f"worker {os.getpid()} up; steps: {' '.join(s.name for s in self.steps)}")
+        self.end_orphans()
         self.summary()
         while True:
             c = self.control()

@@ -327,6 +327,23 @@ def test_worker_resumes_and_reruns_only_what_it_is_told(tmp_path, monkeypatch):
     assert s["install"]["status"] == "ok" and s["kernels-fa"]["status"] == "ok"
 
 
+def test_a_new_worker_ends_steps_a_killed_worker_left(tmp_path):
+    st, w = fake_worker(tmp_path, [], {})
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", st.base],
+                            start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             start_new_session=True)   # not ours: left alone
+    try:
+        gpu_run.write_json(os.path.join(st.base, "groups.json"),
+                           {"kernels": mine.pid, "x": other.pid})
+        w.end_orphans()
+        assert mine.wait(timeout=5) == -9
+        assert other.poll() is None
+    finally:
+        other.kill()
+        mine.kill()
+
+
 # ---------------------------------------------------------------- compare
 def out(tokens, text="", gap=5.0):
     return {"token_ids": tokens, "text": text,
