@@ -275,6 +275,34 @@ def test_worker_retries_a_v2_failure_once_under_v1_and_loses_nothing(tmp_path, m
     assert s["steps"]["kernels"]["attempts"][0].get("runner") is None   # no model runner
 
 
+def test_a_check_failing_under_v2_is_kept_and_its_engine_rerun_under_v1(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_run, "POLL_S", 0.05)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("GPU_CHECK_STEPS", raising=False)
+    steps = [S("e2e-rocketkv", "shared")]
+    engine = ("import json, os; v2 = os.environ.get('VLLM_USE_V2_MODEL_RUNNER') != '0'; "
+              "json.dump({'facts': {'v2_model_runner': v2}}, open('WORK/rocketkv.json', 'w'))")
+    st, w = fake_worker(tmp_path, steps, {})
+    w.command = lambda name, timeout: ([sys.executable, "-c",
+                                        engine.replace("WORK", st.work)], False)
+    checks = os.path.join(st.out, "checks-h200.json")
+
+    def compare(name):   # the needle check fails under V2 only
+        v2 = json.load(open(os.path.join(st.work, "rocketkv.json")))["facts"]["v2_model_runner"]
+        gpu_e2e.merge_out(checks, {"needle_token_budget_256": {
+            "status": "FAIL" if v2 else "PASS", "blame": ["e2e-rocketkv"]}})
+        return {"e2e-rocketkv"} if v2 else set()
+
+    w.compare = compare
+    assert w.run() == 0
+    s = json.load(open(st.summary))["steps"]["e2e-rocketkv"]
+    assert [(a["runner"], a["status"]) for a in s["attempts"]] == [("v2", "ok"), ("v1", "ok")]
+    data = json.load(open(checks))
+    assert data["needle_token_budget_256 [model runner V2]"]["status"] == "FAIL"
+    assert data["needle_token_budget_256"]["status"] == "PASS"
+    assert json.load(open(os.path.join(st.work, "rocketkv-v2.json")))["facts"]["v2_model_runner"]
+
+
 def test_worker_keeps_to_the_deadline(tmp_path, monkeypatch):
     import threading
 
