@@ -8,7 +8,11 @@ every result). Each JSON result (kernels-h200.json, kernels-fa-h200.json, checks
 e2e-h200.json) is written to results/ with a "gpu_check" entry: the card (nvidia-smi's name,
 memory and driver as the worker read them, else torch's device name), the date, the device calls
 made (their commands, budget and limits, from summary.json), the command of the step that wrote
-it and the status of every step. summary.json goes to results/gpu-check-h200-summary.json and
+it and the status of every step. The kernel bench ran in two parts (without vLLM from call 1,
+vLLM's FLASH_ATTN / TRITON_ATTN rows once vLLM was installed): each ROCKETKV row of
+kernels-h200.json gets the FLASH_ATTN time of its (context, batch) and ``speedup_vs_flash_attn``
+from kernels-fa-h200.json, and ``dense_own_ratio`` (dense_own's time in the second run over the
+first: the run-to-run spread). summary.json goes to results/gpu-check-h200-summary.json and
 gpu-check.log is left where it is (logs are not results). Prints the lines to paste into
 docs/results.md.
 """
@@ -46,6 +50,26 @@ def step_command(summary: dict, step: str) -> str | None:
     return cmd
 
 
+def merge_kernels(kernels: dict, fa: dict) -> int:
+    """Add FLASH_ATTN's time and the speedup to kernels' ROCKETKV rows; returns rows updated."""
+    def by_size(rows, method):
+        return {(r["context"], r["batch"]): r["ms"] for r in rows if r["method"] == method}
+
+    flash = by_size(fa.get("rows", []), "dense_flash_attn")
+    own_a, own_b = by_size(kernels.get("rows", []), "dense_own"), by_size(fa.get("rows", []),
+                                                                          "dense_own")
+    n = 0
+    for r in kernels.get("rows", []):
+        key = (r["context"], r["batch"])
+        if r["method"] == "rocketkv" and key in flash and r.get("ms"):
+            r["flash_attn_ms"] = flash[key]
+            r["speedup_vs_flash_attn"] = round(flash[key] / r["ms"], 3)
+            n += 1
+        if r["method"] == "dense_own" and key in own_b and r.get("ms"):
+            r["dense_own_ratio"] = round(own_b[key] / r["ms"], 3)
+    return n
+
+
 def collect(files_at: str, results_dir: str, dry: bool = False) -> list[str]:
     summary = json.load(open(os.path.join(files_at, "summary.json")))
     loaded = {}
@@ -54,6 +78,8 @@ def collect(files_at: str, results_dir: str, dry: bool = False) -> list[str]:
         if os.path.exists(p):
             loaded[name] = json.load(open(p))
     card = card_of(summary, loaded)
+    if "kernels-h200.json" in loaded and "kernels-fa-h200.json" in loaded:
+        merge_kernels(loaded["kernels-h200.json"], loaded["kernels-fa-h200.json"])
     writer = {"kernels-h200.json": "kernels", "kernels-fa-h200.json": "kernels-fa",
               "e2e-h200.json": "e2e-bench", "checks-h200.json": "e2e-flash"}
     steps = {k: v.get("status") for k, v in summary.get("steps", {}).items()}

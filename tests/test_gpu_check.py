@@ -449,3 +449,15 @@ def test_results_get_card_date_and_command(tmp_path):
     assert g["step_command"] == "python3 scripts/bench_kernels.py --out x"
     assert g["device_calls"] == [{"call": 3, "budget_left": 690}]
     assert (res / "gpu-check-h200-summary.json").exists() and len(lines) == 2
+
+
+def test_kernel_rows_get_flash_attn_speedups():
+    k = {"rows": [{"context": 4096, "batch": 8, "method": "dense_own", "ms": 2.0},
+                  {"context": 4096, "batch": 8, "method": "rocketkv", "ms": 0.5},
+                  {"context": 32768, "batch": 8, "method": "rocketkv", "ms": 1.0}]}
+    fa = {"rows": [{"context": 4096, "batch": 8, "method": "dense_flash_attn", "ms": 1.5},
+                   {"context": 4096, "batch": 8, "method": "dense_own", "ms": 2.2}]}
+    assert gpu_results.merge_kernels(k, fa) == 1
+    assert k["rows"][1]["speedup_vs_flash_attn"] == 3.0 and k["rows"][1]["flash_attn_ms"] == 1.5
+    assert k["rows"][0]["dense_own_ratio"] == 1.1
+    assert "speedup_vs_flash_attn" not in k["rows"][2]    # FLASH_ATTN not measured there
