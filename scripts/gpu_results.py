@@ -56,8 +56,7 @@ def merge_kernels(kernels: dict, fa: dict) -> int:
         return {(r["context"], r["batch"]): r["ms"] for r in rows if r["method"] == method}
 
     flash = by_size(fa.get("rows", []), "dense_flash_attn")
-    own_a, own_b = by_size(kernels.get("rows", []), "dense_own"), by_size(fa.get("rows", []),
-                                                                          "dense_own")
+    own_b = by_size(fa.get("rows", []), "dense_own")
     n = 0
     for r in kernels.get("rows", []):
         key = (r["context"], r["batch"])

@@ -381,7 +381,9 @@ class Worker:
             try:   # only a group whose leader is still that step (pids get reused)
                 with open(f"/proc/{int(pgid)}/cmdline", "rb") as f:
                     cmdline = f.read().decode(errors="replace")
-                if ROOT not in cmdline and self.st.base not in cmdline:
+                ours = (os.path.join(ROOT, "scripts") + os.sep,
+                        os.path.join(ROOT, "tests") + os.sep, self.st.base)
+                if not any(m in cmdline for m in ours):
                     continue
                 os.killpg(int(pgid), signal.SIGKILL)
                 self.say(f"ended {name} (process group {pgid}) left by an earlier worker")

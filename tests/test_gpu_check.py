@@ -366,6 +366,7 @@ def test_a_new_worker_ends_steps_a_killed_worker_left(tmp_path):
                            {"kernels": mine.pid, "x": other.pid})
         w.end_orphans()
         assert mine.wait(timeout=5) == -9
+        time.sleep(0.3)                       # a SIGKILL sent to it would have landed by now
         assert other.poll() is None
     finally:
         other.kill()
