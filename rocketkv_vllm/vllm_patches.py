@@ -113,11 +113,44 @@ def _get_computed_blocks(original):
         from rocketkv_vllm.kv_cache import rocketkv_manager
 
         manager = rocketkv_manager(self)
-        if manager is not None:
-            manager.track(request)
-        return original(self, request)
+        if manager is None:
+            return original(self, request)
+        manager.track(request)
+        blocks, num_hit, boundary = original(self, request)
+        hits = blocks.blocks[manager.kv_cache_group_id] if blocks.blocks else ()
+        capped = manager.capped_hit(request, num_hit, hits)
+        if capped < num_hit:
+            blocks = self.truncate_computed_blocks(blocks, capped)
+        return blocks, capped, boundary
 
     return get_computed_blocks
+
+
+def _reserve_prefill_lookahead(original):
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        from rocketkv_vllm.kv_cache import rocketkv_manager
+
+        num_new_tokens = original(self, request, num_computed_tokens, num_new_tokens)
+        manager = rocketkv_manager(self.kv_cache_manager)
+        if manager is None:
+            return num_new_tokens
+        return manager.chunk_tokens(request, num_computed_tokens, num_new_tokens)
+
+    return _reserve_prefill_lookahead
+
+
+def _make_stats(original):
+    def make_stats(self, *args, **kwargs):
+        stats = original(self, *args, **kwargs)
+        from rocketkv_vllm.kv_cache import account_path, rocketkv_manager
+
+        manager = rocketkv_manager(self.kv_cache_manager)
+        if stats is not None and manager is not None:
+            rank = self.vllm_config.parallel_config.data_parallel_rank
+            manager.prefix_account.publish(account_path(rank))
+        return stats
+
+    return make_stats
 
 
 def _v1_update_states(original):
@@ -229,7 +262,18 @@ PATCHES: tuple[Patch, ...] = (
           "one fact per request output for the rocketkv:* metrics (metrics)"),
     Patch("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks",
           ("self", "request"), _get_computed_blocks,
-          "let ROCKETKV's block manager see each request it will allocate for"),
+          "let ROCKETKV's block manager see each request it will allocate for, and "
+          "keep a compressed prompt's window out of its prefix hit (kv_cache)"),
+    Patch("vllm.v1.core.sched.scheduler", "Scheduler", "_reserve_prefill_lookahead",
+          ("self", "request", "num_computed_tokens", "num_new_tokens"),
+          _reserve_prefill_lookahead,
+          "end a compressed prompt's chunk before its last one holds a compaction "
+          "target, so the target reaches the prefix cache (kv_cache)"),
+    Patch("vllm.v1.core.sched.scheduler", "Scheduler", "make_stats", ("self",),
+          _make_stats,
+          "publish the scheduler's prefix-cache account for the API server's "
+          "rocketkv:* metrics, with vLLM's own scheduler stats (kv_cache, metrics)",
+          exact=False),
     Patch(_V1_RUNNER, "GPUModelRunner", "_update_states", ("self", "scheduler_output"),
           _v1_update_states, "each batch row's own budget (V1 runner, state)"),
     Patch(_V2_RUNNER, "GPUModelRunner", "add_requests", ("self", "scheduler_output"),

@@ -64,10 +64,12 @@ def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer, dtype):
         assert a == pytest.approx(b, abs=tol)
 
 
-def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer):
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer, prefix_caching):
     """Short and long prompts together, chunks shared between requests (a
     long prompt ends inside a chunk that also carries other requests' tokens
-    and decodes): the same tokens as each request alone in one chunk."""
+    and decodes): the same tokens as each request alone in one chunk, with
+    vLLM's prefix caching on (the prompts share their opening) and off."""
     prompts = [
         build_needle_prompt(tokenizer, 1400, 0.3, seed=21).prompt,
         _chat(tokenizer, "Name three colours."),
@@ -77,11 +79,11 @@ def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer):
     ]
     cfg = {"prompt_budget": 320}
     alone = make_llm(model_path, "ROCKETKV", cfg, max_num_seqs=1,
-                     max_num_batched_tokens=4096)
+                     max_num_batched_tokens=4096, enable_prefix_caching=prefix_caching)
     alone_ids, _ = greedy(alone, prompts, max_tokens=20)
     shutdown(alone)
     mixed = make_llm(model_path, "ROCKETKV", cfg, max_num_seqs=8,
-                     max_num_batched_tokens=384)
+                     max_num_batched_tokens=384, enable_prefix_caching=prefix_caching)
     mixed_ids, _ = greedy(mixed, prompts, max_tokens=20)
     shutdown(mixed)
     assert [list(t) for t in mixed_ids] == [list(t) for t in alone_ids]

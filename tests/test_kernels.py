@@ -478,22 +478,24 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
+    # Entries past a row's pages are never written: they keep the sentinel.
+    sentinel = torch.full((len(specs), hkv, max_pages), 7.0, device=DEVICE)
     probs = hsa_page_probs(q, c.kt, _table(rows), nc, ts, seq, _ints(topr), ps,
-                           max_pages, force, chunk=16 if g != 4 else None)
+                           max_pages, force, chunk=16 if g != 4 else None, out=sentinel)
     max_select = max(max(k // ps, 1) for k in topk)
     sel = select_pages(probs, max_select, nc, ts, seq, _ints(topk), ps, impl,
                        force).cpu()
     probs = probs.cpu()
     for b, (n_c, t_s, s_l) in enumerate(specs):
         if s_l <= 0:
-            assert bool((probs[b] == -1).all())
+            assert bool((probs[b] == 7.0).all())
             continue
         kmin, kmax, starts = _view_kt(c, rows[b], n_c, t_s, s_l)
         num_pages = starts.numel()
         ref = _ref_probs(q[b], kmin, kmax, topr[b],
                          _page_tokens(starts, n_c, t_s, s_l, ps)).cpu()
         got = probs[b, :, :num_pages].clone()
-        assert bool((probs[b, :, num_pages:] == -1).all())
+        assert bool((probs[b, :, num_pages:] == 7.0).all())
         cur = num_pages - 1  # the newest token's page is the view's last
         if force:
             assert bool((got[:, cur] == 2.0).all())

@@ -42,23 +42,26 @@ def _random_prompts(n, lengths, seed=0):
 
 
 @pytest.mark.engine
-def test_freed_blocks_are_never_read_and_nothing_leaks(model_path):
-    """Freed blocks are NaN-filled before they go back, then reused by other
-    requests under a tight cache (with preemptions); outputs must equal a run
-    that never frees, and every block must come back."""
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_caching):
+    """Freed blocks are poisoned before they go back (with prefix caching
+    their KT pages only: their K/V stay valid cache entries), then reused by
+    other requests under a tight cache (with preemptions); outputs must
+    equal a run that never frees, and every block must come back."""
     bench = _bench()
     prompts = _random_prompts(6, [1500, 1800, 2100, 300, 1650, 2400])
     cfg = {"prompt_budget": 256}
+    caching = {"enable_prefix_caching": prefix_caching}
     ample = bench.run_capacity(model_path, "ROCKETKV", prompts, 1 << 30,
                                dict(cfg, free_evicted_blocks=False), max_tokens=20,
-                               max_model_len=4096, dtype="float32")
+                               max_model_len=4096, dtype="float32", engine_kw=caching)
     # Room for ~4200 tokens with KT pages (5300 without; the engine needs one
     # max_model_len request);
     # the six prompts need about 9700.
     tight_bytes = bench.kv_bytes_for_tokens(model_path, 5300, 4)
     tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes, cfg,
                                testing={"poison_evicted_blocks": True}, max_tokens=20,
-                               max_model_len=4096, dtype="float32")
+                               max_model_len=4096, dtype="float32", engine_kw=caching)
     assert tight.finished == ample.finished == len(prompts)
     assert tight.outputs == ample.outputs
     # The tight cache only fits everything because blocks were given back.

@@ -8,6 +8,7 @@ the server reports.
 
 import ast
 import math
+import os
 import time
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ def _fake_vllm_config(backend, rocketkv=ROCKETKV, block_size=16):
         model_config=SimpleNamespace(
             served_model_name="m", max_model_len=4096,
             get_head_size=lambda: 64),
+        instance_id="test-metrics",
     )
 
 
@@ -230,11 +232,68 @@ def test_server_exports_rocketkv_counters(metrics_server, tokenizer):
         assert [labels for labels, _ in metric_samples(text, name)] == [
             {"model_name": srv.model, "engine": "0"}]
 
+    # The same prompt again: vLLM's prefix cache serves all of it but the
+    # observation window and the block holding the prompt's end; ROCKETKV's
+    # counter says how many cached tokens the window cost (the scheduler's
+    # account, published with its stats).
+    assert metric_value(text, "rocketkv:prefix_tokens_recomputed_total") == 0
+    hits = metric_value(text, "vllm:prefix_cache_hits_total")
+    again = client.completions.create(model=srv.model, prompt=long_ids, max_tokens=6,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == outs[0].choices[0].text
+    bs, w = settings.block_size, settings.window_size
+    capped = (3000 - w) // bs * bs
+    deadline = time.time() + 30
+    while True:
+        text = srv.metrics()
+        if (metric_value(text, "rocketkv:prefix_tokens_recomputed_total") > 0
+                or time.time() > deadline):
+            break
+        time.sleep(0.5)
+    assert metric_value(text, "vllm:prefix_cache_hits_total") - hits == capped
+    assert metric_value(text, "rocketkv:prefix_tokens_recomputed_total") == (
+        (3000 - 1) // bs * bs - capped)
+
 
 @pytest.mark.engine
 def test_server_logs_each_compressed_prompt(metrics_server):
     log = metrics_server.stop()
     lines = [line for line in log.splitlines() if "ROCKETKV compressed request" in line]
-    assert len(lines) == 1, log[-3000:]
+    assert len(lines) == 2, log[-3000:]  # the long prompt, sent twice
     assert "3000 prompt tokens" in lines[0]
     assert "ROCKETKV metrics: rocketkv:* counters on /metrics" in log
+
+
+def test_the_schedulers_prefix_cache_account_reaches_the_counter(monkeypatch, tmp_path):
+    """What only the scheduler knows (tokens of a prefix hit ROCKETKV did
+    not use) travels in the account file it publishes with its stats; the
+    stat logger adds what is new since its last read."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rocketkv_vllm.kv_cache import PrefixCacheAccount, account_path
+    from rocketkv_vllm.metrics import RocketKVStatLogger, unregister_rocketkv_metrics
+    from rocketkv_vllm.plugin import register
+
+    monkeypatch.setenv("ROCKETKV_ACCOUNT_DIR", str(tmp_path / "accounts"))
+    register()
+    unregister_rocketkv_metrics()
+    config = _fake_vllm_config(AttentionBackendEnum.CUSTOM)
+    stat_logger = RocketKVStatLogger(config, [0])
+    name = "rocketkv:prefix_tokens_recomputed_total"
+    stat_logger.record(SimpleNamespace(), None, engine_idx=0)  # nothing published yet
+    assert _sample(name) == 0
+    account = PrefixCacheAccount()
+    path = account_path(0, frontend_pid=os.getpid())  # as the scheduler names it
+    assert path.parent == tmp_path / "accounts"
+    account.tokens_recomputed = 32
+    account.publish(path)
+    stat_logger.record(SimpleNamespace(), None, engine_idx=0)
+    stat_logger.record(SimpleNamespace(), None, engine_idx=0)  # read twice: once counted
+    assert _sample(name) == 32
+    account.tokens_recomputed = 96
+    account.publish(path)
+    stat_logger.record(None, None, engine_idx=0)  # no scheduler stats: not read
+    assert _sample(name) == 32
+    stat_logger.record(SimpleNamespace(), None, engine_idx=0)
+    assert _sample(name) == 96
+    unregister_rocketkv_metrics()

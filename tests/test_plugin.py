@@ -64,7 +64,7 @@ def _selector(**kw):
 
 
 @pytest.mark.parametrize("bad,reason", [
-    (dict(head_size=80), "head_size not supported"),
+    (dict(head_size=72), "head_size not supported"),
     (dict(block_size=8), "block_size not supported"),
     (dict(use_mla=True), "MLA not supported"),
 ])

@@ -15,8 +15,12 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, MultipleOf
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-# Head sizes the kernels take (every Stage 2 and Stage 1 implementation).
-SUPPORTED_HEAD_SIZES = [64, 128]
+# Head sizes ROCKETKV takes: those of the dense backend it runs beside, at
+# which every Stage 1 and Stage 2 implementation is tested (the Triton
+# kernels pad the head dim to a power of two; tests/test_kernels.py,
+# tests/test_cpu_kernel.py, tests/test_head_sizes.py).
+CPU_HEAD_SIZES = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # CPU_ATTN's
+GPU_HEAD_SIZES = [32, 64, 80, 96, 128, 160, 192, 256]  # FLASH_ATTN's
 
 
 class RocketKVBackend(AttentionBackend):
@@ -51,7 +55,9 @@ class RocketKVBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(SUPPORTED_HEAD_SIZES)
+        from vllm.platforms import current_platform
+
+        return list(CPU_HEAD_SIZES if current_platform.is_cpu() else GPU_HEAD_SIZES)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

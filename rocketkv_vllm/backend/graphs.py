@@ -43,8 +43,10 @@ def decode_graph_shape(vllm_config, settings: RocketKVSettings, uses_triton: boo
     from vllm.platforms import current_platform
 
     compilation = vllm_config.compilation_config
-    rows = max(vllm_config.scheduler_config.max_num_seqs,
-               compilation.max_cudagraph_capture_size or 0)
+    # FULL graphs exist for batches up to the largest capture size; larger
+    # decode batches run eagerly, in the ordinary layout.
+    rows = (compilation.max_cudagraph_capture_size
+            or vllm_config.scheduler_config.max_num_seqs)
     if not uses_triton:
         return None
     if not aids.force_graph_layout:

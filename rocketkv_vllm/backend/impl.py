@@ -18,7 +18,9 @@ from rocketkv_vllm import paged
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import native_for_config
 from rocketkv_vllm.backend.stages import HsaRows, stage1_ops, stage2_for
+from rocketkv_vllm.config import pow2_at_least
 from rocketkv_vllm.engine import settings_for, test_aids_for
+from rocketkv_vllm.plan import max_view_pages
 from rocketkv_vllm.state import worker_state
 
 
@@ -31,7 +33,7 @@ class WindowQueries:
     def __init__(self, window_size: int, max_buffers: int) -> None:
         self.window_size = window_size
         self.max_buffers = max_buffers
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int | str, torch.Tensor] = {}
 
     def _here(self, r: PromptChunkRow, query):
         """(window offset of the first, queries) of this chunk's window part."""
@@ -99,7 +101,13 @@ class RocketKVImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         vllm_config = get_current_vllm_config()
         self.settings = settings_for(vllm_config)
-        self.poison_evicted_blocks = test_aids_for(vllm_config).poison_evicted_blocks
+        aids = test_aids_for(vllm_config)
+        self.poison_evicted_blocks = aids.poison_evicted_blocks
+        self.kept_log = (worker_state(vllm_config).kept_positions
+                         if aids.record_kept_positions else None)
+        # Given-back blocks stay valid prefix-cache entries: then only their
+        # KT pages (which no reader of the cache uses) are poisoned.
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.counters = worker_state(vllm_config).counters
         choice = native_for_config(vllm_config)
         self.kv_layout = choice.kv_layout
@@ -110,6 +118,11 @@ class RocketKVImpl(AttentionImpl):
         self.stage1 = stage1_ops(self.settings)
         self.window_queries = WindowQueries(self.settings.window_size,
                                             vllm_config.scheduler_config.max_num_seqs)
+        # The largest eager Stage 2 call: every running request, each with the
+        # most view pages (rounded as the builder rounds for Triton).
+        self.max_rows = vllm_config.scheduler_config.max_num_seqs
+        self.max_pages = pow2_at_least(max_view_pages(
+            vllm_config.model_config.max_model_len, self.settings.page_size))
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.native.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -128,7 +141,9 @@ class RocketKVImpl(AttentionImpl):
     ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("ROCKETKV does not fuse output quantization")
-        if attn_metadata is None:  # profiling run
+        if attn_metadata is None:  # profiling run: count Stage 2's scratch in
+            self.stage2.reserve_scratch(query.device, self.max_rows, self.num_heads,
+                                        self.num_kv_heads, self.max_pages)
             return output
         md = attn_metadata
         self.native.forward(layer, query, key, value, kv_cache, md.native, output)
@@ -152,10 +167,12 @@ class RocketKVImpl(AttentionImpl):
         k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
         kt_cache = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         with self.counters.stage1_timer(query.device):
-            paged.snapkv_compress(
+            kept = paged.snapkv_compress(
                 k_cache, v_cache, kt_cache, r.block_row, self.window_queries.take(r, query),
                 plan.num_prompt_tokens, plan.prompt_budget, plan.tail_start,
                 s.kernel_size, s.page_size, self.scale, ops=self.stage1)
+        if self.kept_log is not None:
+            self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
         if self.poison_evicted_blocks:
             self._poison_evicted(kv_cache, r.block_row, plan)
 
@@ -172,10 +189,12 @@ class RocketKVImpl(AttentionImpl):
         huge keys/values (and NaN KT pages), so any later read of them by
         ROCKETKV changes the output. Finite, because vLLM's kernels read (and
         mask) the unwritten slots of a request's last block, which may be
-        such a reused block."""
+        such a reused block. With prefix caching their K/V stay: they are the
+        dense prefix-cache entries other requests may hit."""
         s = self.settings
         start, end = plan.freed_block_range(s.block_size)
         blocks = block_row[start:end].long()
-        kv_cache[blocks] = 3.0e4
+        if not self.prefix_caching:
+            kv_cache[blocks] = 3.0e4
         kt = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         kt[blocks] = 0xFF if kt.dtype == torch.uint8 else float("nan")  # NaN either way

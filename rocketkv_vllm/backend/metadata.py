@@ -54,7 +54,7 @@ class PromptChunkRow:
     context_len: int
     block_row: torch.Tensor
     plan: RequestPlan
-    key: int  # the request's window-query buffer (stable while it runs)
+    key: int | str  # the request's window-query buffer (stable while it runs)
 
 
 @dataclass
@@ -201,13 +201,14 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         if neutral.size:
             # Rows wholly after a compressed prompt: the native call attends
             # over a q_len-token context only (output overwritten here).
-            idx = torch.from_numpy(neutral)
-            lens = torch.from_numpy(step.q_lens[neutral]).to(cm.seq_lens.dtype)
+            # One pinned copy: rows and their lengths.
+            rows_lens = self._staged(np.stack([neutral, step.q_lens[neutral]]).astype(np.int64))
+            idx, lens = rows_lens.to(cm.seq_lens.device, non_blocking=True)
             seq = cm.seq_lens.clone()
-            seq[idx.to(seq.device)] = lens.to(seq.device, non_blocking=True)
+            seq[idx] = lens.to(seq.dtype)
             native_cm = native_cm.replace(
                 seq_lens=seq, seq_lens_cpu_upper_bound=self._upper_bound_with(
-                    cm, neutral, lens))
+                    cm, neutral, torch.from_numpy(step.q_lens[neutral])))
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
         return md
 
@@ -262,16 +263,18 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         if cm.seq_lens_cpu_upper_bound is None:
             return None
         upper = cm.seq_lens_cpu_upper_bound.clone()
-        upper[torch.from_numpy(rows)] = lens
+        upper[torch.from_numpy(rows)] = torch.as_tensor(lens, dtype=upper.dtype)
         return upper
 
-    @staticmethod
-    def _window_key(cm: CommonAttentionMetadata, i: int) -> int:
-        # V2: the request's slot; V1 (host block table): its first block,
-        # which is a compaction target and so the request's own.
+    def _window_key(self, cm: CommonAttentionMetadata, i: int) -> int | str:
+        # V2: the request's slot; V1: its id (the runner hook's row order).
+        # Not a block id: with prefix caching requests may share blocks.
         if cm.req_idx is not None:
             return int(cm.req_idx[i])
-        return int(cm.block_table_tensor[i, 0])
+        row_ids = self.state.requests.row_ids
+        if i < len(row_ids) and row_ids[i] is not None:
+            return row_ids[i]
+        return f"row{i}"
 
     # -- Stage 2 rows -------------------------------------------------------
 

@@ -60,6 +60,10 @@ class Stage2:
     def prepare(self, rows: HsaRows) -> None:
         """Once per step, in the builder (shared by all layers)."""
 
+    def reserve_scratch(self, device: torch.device, max_rows: int, num_q_heads: int,
+                        num_kv_heads: int, max_pages: int) -> None:
+        """During vLLM's memory profiling: take the scratch a step may need."""
+
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, rows: HsaRows,
                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
@@ -71,11 +75,38 @@ class Stage2:
                                    self.settings.kt_dtype)
 
 
+# Scratch (page logits and probabilities, fp32) an eager Stage 2 call may
+# take at once; larger batches run in row chunks. vLLM's memory profiling
+# sees it: ROCKETKV takes it during the profiling run (``reserve_scratch``).
+# FULL-graph steps keep theirs in the graph's memory pool, which vLLM
+# measures when it captures.
+SCRATCH_BYTES = 256 << 20
+
+
+def scratch_bytes_per_row(num_q_heads: int, num_kv_heads: int, max_pages: int) -> int:
+    """Bytes of Stage 2 scratch per decode row: fp32 logits per query head and
+    probabilities per KV head for every page (``kernels.hsa_score``), plus as
+    much again per KV head for the split partials and the selection."""
+    return 4 * (num_q_heads + 2 * num_kv_heads) * max_pages
+
+
 class TritonStage2(Stage2):
     name = "Triton kernels"
     pow2_shapes = True
 
     def decode(self, query, kv_cache, rows, scale, out=None):
+        if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
+            return self._decode(query, kv_cache, rows, scale, out)
+        per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
+        chunk = max(1, SCRATCH_BYTES // per_row)
+        batch = query.shape[0]
+        if batch <= chunk:
+            return self._decode(query, kv_cache, rows, scale, None)
+        parts = [self._decode(query[a:a + chunk], kv_cache, _row_slice(rows, a, a + chunk),
+                              scale, None) for a in range(0, batch, chunk)]
+        return torch.cat(parts)
+
+    def _decode(self, query, kv_cache, rows, scale, out):
         from rocketkv_vllm import triton_ops
 
         s = self.settings
@@ -85,6 +116,25 @@ class TritonStage2(Stage2):
             rows.num_compact, rows.tail_start, rows.seq_lens, rows.topk, rows.topr,
             s.page_size, scale, rows.max_pages, rows.max_select, s.force_current_page,
             out=out)
+
+    def reserve_scratch(self, device: torch.device, max_rows: int, num_q_heads: int,
+                        num_kv_heads: int, max_pages: int) -> None:
+        """Take (and give back to torch's caching allocator) the most scratch
+        an eager step can use, so vLLM's memory profiling counts it."""
+        per_row = scratch_bytes_per_row(num_q_heads, num_kv_heads, max_pages)
+        nbytes = min(SCRATCH_BYTES, per_row * max_rows) if max_rows else 0
+        if nbytes and device.type == "cuda":
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            del scratch  # back to the allocator's cache, counted in the peak
+
+
+def _row_slice(rows: HsaRows, a: int, b: int) -> HsaRows:
+    return HsaRows(
+        tokens=rows.tokens[a:b], block_table=rows.block_table[a:b],
+        num_compact=rows.num_compact[a:b], tail_start=rows.tail_start[a:b],
+        seq_lens=rows.seq_lens[a:b], topk=rows.topk[a:b], topr=rows.topr[a:b],
+        num_select=rows.num_select[a:b], max_pages=rows.max_pages,
+        max_select=rows.max_select)
 
 
 class CpuStage2(Stage2):

@@ -1,0 +1,54 @@
+"""A tiny random-weight Llama with a chosen head dim, for engine tests of
+head sizes the default model does not have (its weights are random: the
+tokens mean nothing, but they are deterministic, so backends can be
+compared token for token). Uses the default model's tokenizer; built
+offline into the model cache, once per head dim."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rocketkv_eval.model import default_cache_dir, prepare_default_model
+
+_DONE = ".rocketkv-tiny-complete"
+
+
+def prepare_tiny_model(head_dim: int, num_heads: int = 2, num_kv_heads: int = 1,
+                       num_layers: int = 2, seed: int = 0) -> str:
+    """A directory vLLM loads: a Llama of ``num_layers`` layers whose
+    attention has ``num_heads`` query heads of ``head_dim`` channels."""
+    name = f"tiny-llama-d{head_dim}-h{num_heads}-kv{num_kv_heads}-l{num_layers}-s{seed}"
+    out = default_cache_dir().parent / name
+    if (out / _DONE).is_file():
+        return str(out)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    hidden = 64 * num_heads
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=8192,
+        rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE).write_text(json.dumps({"head_dim": head_dim, "seed": seed}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
