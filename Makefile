@@ -16,5 +16,5 @@ lint: install
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not engine" $(PYTEST_ARGS)
 
-test: install
+test: lint
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

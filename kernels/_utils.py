@@ -55,8 +55,7 @@ def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (a small constant elsewhere,
     which keeps grids small under the Triton interpreter)."""
     if device.type == "cuda":
-        return _cuda_sms(device.index if device.index is not None else
-                         torch.cuda.current_device())
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 2
 
 
@@ -72,12 +71,14 @@ def head_pad(head_dim: int) -> int:
 def row_vectors(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per-row scalars as contiguous 1-D tensors (kernels read element b at
     ptr + b); a no-op for the usual contiguous int32 vectors."""
-    return tuple(t if t.dim() == 1 and t.stride(0) == 1 else t.reshape(-1).contiguous()
-                 for t in tensors)
+    return tuple(
+        t if t.dim() == 1 and t.stride(0) == 1 else t.reshape(-1).contiguous() for t in tensors
+    )
 
 
-def check_kv_cache(k_cache: torch.Tensor,
-                   v_cache: torch.Tensor | None = None) -> tuple[int, int, int]:
+def check_kv_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor | None = None
+) -> tuple[int, int, int]:
     """(Hkv, block_size, head_dim) of a K/V cache view pair.
 
     k_cache, v_cache: [num_blocks, Hkv, block_size, d] views with arbitrary
@@ -90,7 +91,8 @@ def check_kv_cache(k_cache: torch.Tensor,
     assert k_cache.dim() == 4, "k_cache must be [num_blocks, Hkv, block_size, d]"
     if v_cache is not None:
         assert v_cache.shape == k_cache.shape, (
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ"
+        )
         assert v_cache.dtype == k_cache.dtype and v_cache.device == k_cache.device
     _, hkv, bs, d = k_cache.shape
     return hkv, bs, d

@@ -51,9 +51,24 @@ from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
 
 @triton.jit
 def _compact_kernel(
-    k_ptr, v_ptr, bt_ptr, kept_ptr, num_kept, stride_kept,
-    stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs, stride_vd,
-    BS: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    kept_ptr,
+    num_kept,
+    stride_kept,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     h = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -69,34 +84,65 @@ def _compact_kernel(
         src_off = (src % BS)[:, None]
         dst_off = (j % BS)[:, None]
         k_rows = tl.load(
-            k_ptr + src_blk[:, None] * stride_kb + h * stride_kh
-            + src_off * stride_ks + cols[None, :] * stride_kd,
-            mask=mask, other=0.0,
+            k_ptr
+            + src_blk[:, None] * stride_kb
+            + h * stride_kh
+            + src_off * stride_ks
+            + cols[None, :] * stride_kd,
+            mask=mask,
+            other=0.0,
         )
         v_rows = tl.load(
-            v_ptr + src_blk[:, None] * stride_vb + h * stride_vh
-            + src_off * stride_vs + cols[None, :] * stride_vd,
-            mask=mask, other=0.0,
+            v_ptr
+            + src_blk[:, None] * stride_vb
+            + h * stride_vh
+            + src_off * stride_vs
+            + cols[None, :] * stride_vd,
+            mask=mask,
+            other=0.0,
         )
         tl.debug_barrier()  # all of this tile's reads before any of its writes
         tl.store(
-            k_ptr + dst_blk[:, None] * stride_kb + h * stride_kh
-            + dst_off * stride_ks + cols[None, :] * stride_kd,
-            k_rows, mask=mask,
+            k_ptr
+            + dst_blk[:, None] * stride_kb
+            + h * stride_kh
+            + dst_off * stride_ks
+            + cols[None, :] * stride_kd,
+            k_rows,
+            mask=mask,
         )
         tl.store(
-            v_ptr + dst_blk[:, None] * stride_vb + h * stride_vh
-            + dst_off * stride_vs + cols[None, :] * stride_vd,
-            v_rows, mask=mask,
+            v_ptr
+            + dst_blk[:, None] * stride_vb
+            + h * stride_vh
+            + dst_off * stride_vs
+            + cols[None, :] * stride_vd,
+            v_rows,
+            mask=mask,
         )
 
 
 @triton.jit
 def _kt_pages_kernel(
-    k_ptr, kt_ptr, bt_ptr, lo, hi, num_pages,
-    stride_kb, stride_kh, stride_ks, stride_kd, stride_tb, stride_th, stride_tp,
-    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    BLOCK_P: tl.constexpr, KT_FP8: tl.constexpr,
+    k_ptr,
+    kt_ptr,
+    bt_ptr,
+    lo,
+    hi,
+    num_pages,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_tb,
+    stride_th,
+    stride_tp,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    KT_FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -147,10 +193,20 @@ def compact_kept_tokens(
     block_c = min(64, next_pow2(d))  # a K tile and a V tile per program
     block_j = 32
     _compact_kernel[(hkv, cdiv(d, block_c))](
-        k_cache, v_cache, block_row, kept, count, kept.stride(0),
-        *cache_strides(k_cache), *cache_strides(v_cache),
-        BS=bs, D=d, BLOCK_J=block_j, BLOCK_C=block_c,
-        num_warps=4, num_stages=1,
+        k_cache,
+        v_cache,
+        block_row,
+        kept,
+        count,
+        kept.stride(0),
+        *cache_strides(k_cache),
+        *cache_strides(v_cache),
+        BS=bs,
+        D=d,
+        BLOCK_J=block_j,
+        BLOCK_C=block_c,
+        num_warps=4,
+        num_stages=1,
     )
 
 
@@ -176,9 +232,21 @@ def write_kt_pages(
     num_pages = cdiv(hi - lo, page_size)
     block_p = 16
     _kt_pages_kernel[(hkv, cdiv(num_pages, block_p))](
-        k_cache, kt_cache, block_row.contiguous(), lo, hi, num_pages,
+        k_cache,
+        kt_cache,
+        block_row.contiguous(),
+        lo,
+        hi,
+        num_pages,
         *cache_strides(k_cache),
-        kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
-        D=d, D_PAD=head_pad(d), BS=bs, PS=page_size, BLOCK_P=block_p,
-        KT_FP8=kt_cache.dtype == torch.uint8, num_warps=4,
+        kt_cache.stride(0),
+        kt_cache.stride(1),
+        kt_cache.stride(2),
+        D=d,
+        D_PAD=head_pad(d),
+        BS=bs,
+        PS=page_size,
+        BLOCK_P=block_p,
+        KT_FP8=kt_cache.dtype == torch.uint8,
+        num_warps=4,
     )

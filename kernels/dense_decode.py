@@ -47,13 +47,39 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _dense_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, o_ptr, lse_ptr, out_ptr,
-    num_kv_heads, num_splits, tiles_per_split, scale_log2,
-    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    seq_ptr,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    num_kv_heads,
+    num_splits,
+    tiles_per_split,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,12 +99,46 @@ def _dense_decode_kernel(
         slot = n0 + tl.arange(0, BLOCK_N)
         ok = slot < hi
         blk = tl.load(row_bt + slot // BS, mask=ok, other=0).to(tl.int64)
-        k, v = _load_kv(k_ptr, v_ptr, blk, h, slot % BS, ok, d, d_ok,
-                        stride_kb, stride_kh, stride_ks, stride_kd,
-                        stride_vb, stride_vh, stride_vs, stride_vd)
+        k, v = _load_kv(
+            k_ptr,
+            v_ptr,
+            blk,
+            h,
+            slot % BS,
+            ok,
+            d,
+            d_ok,
+            stride_kb,
+            stride_kh,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vs,
+            stride_vd,
+        )
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
-    _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
-                  seq, stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
+    _store_result(
+        acc,
+        m_i,
+        l_i,
+        o_ptr,
+        lse_ptr,
+        out_ptr,
+        b,
+        h,
+        bh,
+        split,
+        num_splits,
+        seq,
+        stride_ob,
+        stride_oh,
+        G,
+        G_PAD,
+        D,
+        D_PAD,
+        DIRECT,
+    )
 
 
 def dense_decode(
@@ -105,25 +165,48 @@ def dense_decode(
     if batch == 0:
         return out
     (seq_lens,) = row_vectors(seq_lens)
-    splits, tiles_per_split = plan_splits(cdiv(max_seq_len, block_n), batch * hkv,
-                                          query.device, num_splits)
+    splits, tiles_per_split = plan_splits(
+        cdiv(max_seq_len, block_n), batch * hkv, query.device, num_splits
+    )
     direct = splits == 1
     if direct:
         o_part = lse_part = out  # unused
     else:
-        o_part = torch.empty(batch * hkv * splits * group, d, device=query.device,
-                             dtype=torch.float32)
-        lse_part = torch.empty(batch * hkv * splits * group, device=query.device,
-                               dtype=torch.float32)
+        o_part = torch.empty(
+            batch * hkv * splits * group, d, device=query.device, dtype=torch.float32
+        )
+        lse_part = torch.empty(
+            batch * hkv * splits * group, device=query.device, dtype=torch.float32
+        )
     _dense_decode_kernel[(batch * hkv, splits)](
-        query, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, out,
-        hkv, splits, tiles_per_split, float(scale) * _LOG2E,
-        query.stride(0), query.stride(1), block_table.stride(0),
-        *cache_strides(k_cache), *cache_strides(v_cache),
-        out.stride(0), out.stride(1),
-        G=group, G_PAD=group_pad(group), D=d, D_PAD=head_pad(d), BS=bs,
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        o_part,
+        lse_part,
+        out,
+        hkv,
+        splits,
+        tiles_per_split,
+        float(scale) * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        block_table.stride(0),
+        *cache_strides(k_cache),
+        *cache_strides(v_cache),
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        G_PAD=group_pad(group),
+        D=d,
+        D_PAD=head_pad(d),
+        BS=bs,
         BLOCK_N=block_n,
-        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct, **launch_options(k_cache.dtype),
+        UPCAST=dot_upcast(k_cache.dtype),
+        DIRECT=direct,
+        **launch_options(k_cache.dtype),
     )
     if not direct:
         merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)

@@ -83,14 +83,37 @@ def _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS: tl.constexpr):
 
 @triton.jit
 def _page_logits_kernel(
-    q_ptr, kt_ptr, bt_ptr, nc_ptr, ts_ptr, seq_ptr, topr_ptr,
-    logit_ptr, pm_ptr, pl_ptr,
-    num_kv_heads, max_pages, num_splits,
-    stride_qb, stride_qh, stride_bt, stride_tb, stride_th, stride_tp,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr,
-    RANK_CHUNK: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    HALF: tl.constexpr, KT_FP8: tl.constexpr,
+    q_ptr,
+    kt_ptr,
+    bt_ptr,
+    nc_ptr,
+    ts_ptr,
+    seq_ptr,
+    topr_ptr,
+    logit_ptr,
+    pm_ptr,
+    pl_ptr,
+    num_kv_heads,
+    max_pages,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_tb,
+    stride_th,
+    stride_tp,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    RANK_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HALF: tl.constexpr,
+    KT_FP8: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -104,8 +127,9 @@ def _page_logits_kernel(
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
-    q = tl.load(q_row + g[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        q_row + g[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    ).to(tl.float32)
     absq = tl.abs(q)
     # a = sum_g |q_g| as G sequential element-wise adds, recomputed the same
     # way for each column chunk below, so equal channels compare equal.
@@ -119,10 +143,12 @@ def _page_logits_kernel(
         dj = j0 + tl.arange(0, RANK_CHUNK)
         a_j = tl.zeros([RANK_CHUNK], tl.float32)
         for gi in tl.static_range(G):
-            a_j += tl.abs(tl.load(q_row + gi * stride_qh + dj, mask=dj < D,
-                                  other=0.0).to(tl.float32))
+            a_j += tl.abs(
+                tl.load(q_row + gi * stride_qh + dj, mask=dj < D, other=0.0).to(tl.float32)
+            )
         beats = (a_j[None, :] > a[:, None]) | (
-            (a_j[None, :] == a[:, None]) & (dj[None, :] < d[:, None]))
+            (a_j[None, :] == a[:, None]) & (dj[None, :] < d[:, None])
+        )
         beats = beats & (dj < D)[None, :]
         rank += tl.sum(beats.to(tl.int32), 1)
     chosen = (rank < r) & d_ok
@@ -187,7 +213,8 @@ def _page_logits_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(
-            tl.exp2(s - m_safe[:, None]) * count.to(tl.float32)[None, :], 1)
+            tl.exp2(s - m_safe[:, None]) * count.to(tl.float32)[None, :], 1
+        )
         m_i = m_new
     part = (bh * num_splits + split) * G_PAD + g
     tl.store(pm_ptr + part, m_i)
@@ -196,10 +223,23 @@ def _page_logits_kernel(
 
 @triton.jit
 def _page_probs_kernel(
-    logit_ptr, pm_ptr, pl_ptr, probs_ptr, nc_ptr, ts_ptr, seq_ptr,
-    num_kv_heads, max_pages, num_splits,
-    G: tl.constexpr, G_PAD: tl.constexpr, PS: tl.constexpr, BLOCK_P: tl.constexpr,
-    CHUNK: tl.constexpr, S_PAD: tl.constexpr, FORCE: tl.constexpr,
+    logit_ptr,
+    pm_ptr,
+    pl_ptr,
+    probs_ptr,
+    nc_ptr,
+    ts_ptr,
+    seq_ptr,
+    num_kv_heads,
+    max_pages,
+    num_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    PS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    S_PAD: tl.constexpr,
+    FORCE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -227,8 +267,11 @@ def _page_probs_kernel(
     for p0 in range(lo, hi, BLOCK_P):
         j = p0 + tl.arange(0, BLOCK_P)
         valid = j < hi
-        lg = tl.load(row_logits + g[:, None] * max_pages + j[None, :],
-                     mask=g_ok[:, None] & valid[None, :], other=float("-inf"))
+        lg = tl.load(
+            row_logits + g[:, None] * max_pages + j[None, :],
+            mask=g_ok[:, None] & valid[None, :],
+            other=float("-inf"),
+        )
         pr = tl.sum(tl.exp2(lg - m_safe[:, None]) * inv_l[:, None], 0)
         if FORCE:
             pr = tl.where((j == cur) & (seq - 1 >= ts), 2.0, pr)
@@ -260,8 +303,7 @@ def hsa_page_probs(
     assert block_table.stride(-1) == 1
     if query.stride(-1) != 1:
         query = query.contiguous()
-    num_compact, tail_start, seq_lens, topr = row_vectors(num_compact, tail_start,
-                                                          seq_lens, topr)
+    num_compact, tail_start, seq_lens, topr = row_vectors(num_compact, tail_start, seq_lens, topr)
     bs = pages_per_block * page_size
     group = hq // hkv
     max_pages = int(max_pages)
@@ -274,8 +316,7 @@ def hsa_page_probs(
     if chunk is None:
         # about 4 programs per SM, however large max_pages is (a FULL CUDA
         # graph's): the kernel spreads each row's own pages over the splits
-        splits = min(cdiv(4 * num_sms(query.device), max(1, batch * hkv)),
-                     cdiv(max_pages, block_p))
+        splits = min(cdiv(4 * num_sms(query.device), max(1, batch * hkv)), cdiv(max_pages, block_p))
         chunk = cdiv(max_pages, splits)
     chunk = max(block_p, cdiv(chunk, block_p) * block_p)
     num_splits = cdiv(max_pages, chunk)
@@ -283,34 +324,77 @@ def hsa_page_probs(
     # the 16-bit type of the split dot: the KT's own, bf16 for fp8 rows (their
     # decoded values have <= 4 significant bits and fp32's exponent range);
     # None: fp32 KT, one IEEE fp32 dot
-    half = torch.bfloat16 if fp8 else (
-        kt_cache.dtype if kt_cache.dtype in (torch.bfloat16, torch.float16) else None)
+    half = (
+        torch.bfloat16
+        if fp8
+        else (kt_cache.dtype if kt_cache.dtype in (torch.bfloat16, torch.float16) else None)
+    )
     dev = query.device
     logits = torch.empty(batch, hkv, group, max_pages, device=dev, dtype=torch.float32)
     part_m = torch.empty(batch * hkv, num_splits, g_pad, device=dev, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
-    probs = out if out is not None else torch.empty(batch, hkv, max_pages, device=dev,
-                                                    dtype=torch.float32)
+    probs = (
+        out
+        if out is not None
+        else torch.empty(batch, hkv, max_pages, device=dev, dtype=torch.float32)
+    )
     assert probs.shape == (batch, hkv, max_pages) and probs.is_contiguous()
     if batch == 0:
         return probs
     grid = (batch * hkv, num_splits)
     _page_logits_kernel[grid](
-        query, kt_cache, block_table, num_compact, tail_start, seq_lens, topr,
-        logits, part_m, part_l,
-        hkv, max_pages, num_splits,
-        query.stride(0), query.stride(1), block_table.stride(0),
-        kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
-        G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
-        BLOCK_P=block_p, RANK_CHUNK=min(16, head_pad(d)),
-        SPLIT=half is not None, UPCAST=half is not None and dot_upcast(half),
-        HALF=_TL_DTYPE.get(half, tl.float32), KT_FP8=fp8, num_warps=logit_warps,
+        query,
+        kt_cache,
+        block_table,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topr,
+        logits,
+        part_m,
+        part_l,
+        hkv,
+        max_pages,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        block_table.stride(0),
+        kt_cache.stride(0),
+        kt_cache.stride(1),
+        kt_cache.stride(2),
+        G=group,
+        G_PAD=g_pad,
+        D=d,
+        D_PAD=head_pad(d),
+        BS=bs,
+        PS=page_size,
+        BLOCK_P=block_p,
+        RANK_CHUNK=min(16, head_pad(d)),
+        SPLIT=half is not None,
+        UPCAST=half is not None and dot_upcast(half),
+        HALF=_TL_DTYPE.get(half, tl.float32),
+        KT_FP8=fp8,
+        num_warps=logit_warps,
     )
     _page_probs_kernel[grid](
-        logits, part_m, part_l, probs, num_compact, tail_start, seq_lens,
-        hkv, max_pages, num_splits,
-        G=group, G_PAD=g_pad, PS=page_size, BLOCK_P=block_p, CHUNK=chunk,
-        S_PAD=next_pow2(num_splits), FORCE=bool(force_current_page), num_warps=4,
+        logits,
+        part_m,
+        part_l,
+        probs,
+        num_compact,
+        tail_start,
+        seq_lens,
+        hkv,
+        max_pages,
+        num_splits,
+        G=group,
+        G_PAD=g_pad,
+        PS=page_size,
+        BLOCK_P=block_p,
+        CHUNK=chunk,
+        S_PAD=next_pow2(num_splits),
+        FORCE=bool(force_current_page),
+        num_warps=4,
     )
     return probs
 
@@ -352,9 +436,18 @@ def _take_chunk(bits, j, thr, room, base, eq_seen, sel_row):
 
 @triton.jit
 def _select_pages_kernel(
-    probs_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
-    num_kv_heads, max_pages, num_sel, extra,
-    PS: tl.constexpr, BLOCK: tl.constexpr,
+    probs_ptr,
+    sel_ptr,
+    nc_ptr,
+    ts_ptr,
+    seq_ptr,
+    topk_ptr,
+    num_kv_heads,
+    max_pages,
+    num_sel,
+    extra,
+    PS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Row (b, h): write the indices of its n_use highest probabilities
     (ascending page order) to sel[b, h, :n_use]; the rest is left as is.
@@ -379,16 +472,21 @@ def _select_pages_kernel(
     for k in tl.static_range(31):
         cand = thr | (1 << (30 - k))
         cnt = tl.sum((bits >= cand).to(tl.int32), 0) + _count_chunks(
-            row, row_pages, cand, False, BLOCK)
+            row, row_pages, cand, False, BLOCK
+        )
         thr = tl.where(cnt >= n_use, cand, thr)
-    room = n_use - tl.sum((bits > thr).to(tl.int32), 0) - _count_chunks(
-        row, row_pages, thr, True, BLOCK)
+    room = (
+        n_use
+        - tl.sum((bits > thr).to(tl.int32), 0)
+        - _count_chunks(row, row_pages, thr, True, BLOCK)
+    )
     sel_row = sel_ptr + bh.to(tl.int64) * num_sel
     base, eq_seen = _take_chunk(bits, j, thr, room, thr * 0, thr * 0, sel_row)
     for p0 in range(BLOCK, row_pages, BLOCK):
         jc = p0 + tl.arange(0, BLOCK)
-        base, eq_seen = _take_chunk(_load_bits(row, jc, row_pages), jc, thr, room,
-                                    base, eq_seen, sel_row)
+        base, eq_seen = _take_chunk(
+            _load_bits(row, jc, row_pages), jc, thr, room, base, eq_seen, sel_row
+        )
 
 
 # Pages of a row the select kernel keeps in registers (longer rows: chunks).
@@ -428,8 +526,7 @@ def select_pages(
     if impl == "torch":
         if have_rows:  # entries past a row's pages were never written
             npc = (num_compact.long() + page_size - 1) // page_size
-            npt = ((seq_lens.long() - tail_start.long()).clamp_min(0) + page_size - 1
-                   ) // page_size
+            npt = ((seq_lens.long() - tail_start.long()).clamp_min(0) + page_size - 1) // page_size
             pages = torch.where(seq_lens > 0, npc + npt, 0)
             past = torch.arange(max_pages, device=probs.device) >= pages[:, None, None]
             probs = probs.masked_fill(past, -1.0)
@@ -437,25 +534,65 @@ def select_pages(
     assert impl == "triton" and have_rows and page_size is not None
     assert probs.is_contiguous()
     batch, hkv, _ = probs.shape
-    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start,
-                                                          seq_lens, topk)
+    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start, seq_lens, topk)
     sel = torch.empty(batch, hkv, k, device=probs.device, dtype=torch.int32)
     if batch == 0:
         return sel
     block = min(max(16, next_pow2(max_pages)), SELECT_BLOCK_PAGES)
     _select_pages_kernel[(batch * hkv,)](
-        probs, sel, num_compact, tail_start, seq_lens, topk, hkv, max_pages, k, extra,
-        PS=page_size, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        probs,
+        sel,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topk,
+        hkv,
+        max_pages,
+        k,
+        extra,
+        PS=page_size,
+        BLOCK=block,
+        num_warps=4 if block <= 2048 else 8,
     )
     return sel
 
 
 def hsa_select(
-    query, kt_cache, block_table, num_compact, tail_start, seq_lens, topr, topk,
-    page_size, max_pages, max_select, force_current_page=False, impl="auto",
+    query,
+    kt_cache,
+    block_table,
+    num_compact,
+    tail_start,
+    seq_lens,
+    topr,
+    topk,
+    page_size,
+    max_pages,
+    max_select,
+    force_current_page=False,
+    impl="auto",
 ):
     """Scoring then selection: [B, Hkv, n_sel] page indices of each row's view."""
-    probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
-                           seq_lens, topr, page_size, max_pages, force_current_page)
-    return select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
-                        page_size, impl, force_current_page)
+    probs = hsa_page_probs(
+        query,
+        kt_cache,
+        block_table,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topr,
+        page_size,
+        max_pages,
+        force_current_page,
+    )
+    return select_pages(
+        probs,
+        max_select,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topk,
+        page_size,
+        impl,
+        force_current_page,
+    )

@@ -106,18 +106,19 @@ def store_kt_fp8_rows(row_ptr, kmin, kmax, row_ok, d, d_ok, D: tl.constexpr):
     t = tl.arange(0, 16)[None, :]
     bits = scale.to(tl.int32, bitcast=True)
     tail = tl.where(t < 4, (bits >> (8 * (t & 3))) & 0xFF, 0)
-    tl.store(row_ptr[:, None] + 2 * D + t, tail.to(tl.uint8),
-             mask=row_ok[:, None] & (t < 16))
+    tl.store(row_ptr[:, None] + 2 * D + t, tail.to(tl.uint8), mask=row_ok[:, None] & (t < 16))
 
 
 @triton.jit
 def _load_scale(row_ptr, row_ok, D: tl.constexpr):
     """The fp32 scales [P, 1] of the rows at row_ptr [P] (four byte loads)."""
     s = row_ptr + 2 * D
-    bits = (tl.load(s, mask=row_ok, other=0).to(tl.int32)
-            | (tl.load(s + 1, mask=row_ok, other=0).to(tl.int32) << 8)
-            | (tl.load(s + 2, mask=row_ok, other=0).to(tl.int32) << 16)
-            | (tl.load(s + 3, mask=row_ok, other=0).to(tl.int32) << 24))
+    bits = (
+        tl.load(s, mask=row_ok, other=0).to(tl.int32)
+        | (tl.load(s + 1, mask=row_ok, other=0).to(tl.int32) << 8)
+        | (tl.load(s + 2, mask=row_ok, other=0).to(tl.int32) << 16)
+        | (tl.load(s + 3, mask=row_ok, other=0).to(tl.int32) << 24)
+    )
     return bits.to(tl.float32, bitcast=True)[:, None]
 
 

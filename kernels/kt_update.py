@@ -42,12 +42,34 @@ from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
 
 @triton.jit
 def _kt_update_kernel(
-    k_ptr, v_ptr, kt_ptr, bt_ptr, seq_ptr, knew_ptr, vnew_ptr,
-    stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_tb, stride_th, stride_tp, stride_nb, stride_nh,
-    D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    PS_PAD: tl.constexpr, WRITE_KV: tl.constexpr, KT_FP8: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kt_ptr,
+    bt_ptr,
+    seq_ptr,
+    knew_ptr,
+    vnew_ptr,
+    stride_bt,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_tb,
+    stride_th,
+    stride_tp,
+    stride_nb,
+    stride_nh,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    PS: tl.constexpr,
+    PS_PAD: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    KT_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -64,17 +86,20 @@ def _kt_update_kernel(
         if WRITE_KV:
             kn = tl.load(knew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
             vn = tl.load(vnew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
-            tl.store(base + (pos % BS) * stride_ks + d * stride_kd,
-                     kn.to(k_ptr.dtype.element_ty), mask=d_ok)
-            v_dst = (v_ptr + blk * stride_vb + h * stride_vh + (pos % BS) * stride_vs
-                     + d * stride_vd)
+            tl.store(
+                base + (pos % BS) * stride_ks + d * stride_kd,
+                kn.to(k_ptr.dtype.element_ty),
+                mask=d_ok,
+            )
+            v_dst = v_ptr + blk * stride_vb + h * stride_vh + (pos % BS) * stride_vs + d * stride_vd
             tl.store(v_dst, vn.to(v_ptr.dtype.element_ty), mask=d_ok)
             ok = (i < PS) & ((page_lo + i) < pos)  # the new slot: from registers
         else:
             ok = (i < PS) & ((page_lo + i) < seq)
         mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd,
-                    mask=mask, other=0.0)
+        k = tl.load(
+            base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd, mask=mask, other=0.0
+        )
         k = k.to(tl.float32)
         kmin = tl.min(tl.where(mask, k, float("inf")), 0)
         kmax = tl.max(tl.where(mask, k, float("-inf")), 0)
@@ -84,8 +109,15 @@ def _kt_update_kernel(
             kmax = tl.maximum(kmax, knf)
         row = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp
         if KT_FP8:  # uint8 rows: codes + scale, as one row of a [1, D_PAD] page tile
-            store_kt_fp8_rows(row + tl.zeros([1], tl.int32), kmin[None, :], kmax[None, :],
-                              tl.full([1], 1, tl.int1), d, d_ok, D)
+            store_kt_fp8_rows(
+                row + tl.zeros([1], tl.int32),
+                kmin[None, :],
+                kmax[None, :],
+                tl.full([1], 1, tl.int1),
+                d,
+                d_ok,
+                D,
+            )
         else:
             tl.store(row + d, kmin.to(kt_ptr.dtype.element_ty), mask=d_ok)
             tl.store(row + D + d, kmax.to(kt_ptr.dtype.element_ty), mask=d_ok)
@@ -110,12 +142,28 @@ def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, v
         v_cache = key = value = k_cache  # unused pointers
         stride_nb = stride_nh = 0
     _kt_update_kernel[(batch, hkv)](
-        k_cache, v_cache, kt_cache, block_table, seq_lens, key, value,
-        block_table.stride(0), *cache_strides(k_cache), *cache_strides(v_cache),
-        kt_cache.stride(0), kt_cache.stride(1), kt_cache.stride(2),
-        stride_nb, stride_nh,
-        D=d, D_PAD=head_pad(d), BS=bs, PS=page_size, PS_PAD=max(2, next_pow2(page_size)),
-        WRITE_KV=write, KT_FP8=kt_cache.dtype == torch.uint8,
+        k_cache,
+        v_cache,
+        kt_cache,
+        block_table,
+        seq_lens,
+        key,
+        value,
+        block_table.stride(0),
+        *cache_strides(k_cache),
+        *cache_strides(v_cache),
+        kt_cache.stride(0),
+        kt_cache.stride(1),
+        kt_cache.stride(2),
+        stride_nb,
+        stride_nh,
+        D=d,
+        D_PAD=head_pad(d),
+        BS=bs,
+        PS=page_size,
+        PS_PAD=max(2, next_pow2(page_size)),
+        WRITE_KV=write,
+        KT_FP8=kt_cache.dtype == torch.uint8,
         num_warps=1 if page_size * d <= 1024 else 2,
     )
 

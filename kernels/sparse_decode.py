@@ -65,9 +65,27 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
-                  seq, stride_ob, stride_oh, G: tl.constexpr, G_PAD: tl.constexpr,
-                  D: tl.constexpr, D_PAD: tl.constexpr, DIRECT: tl.constexpr):
+def _store_result(
+    acc,
+    m_i,
+    l_i,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    b,
+    h,
+    bh,
+    split,
+    num_splits,
+    seq,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
     """Normalised output: to ``out`` (one split) or as a partial + lse."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -87,20 +105,45 @@ def _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_s
 
 
 @triton.jit
-def _load_q(q_ptr, b, h, stride_qb, stride_qh, G: tl.constexpr, G_PAD: tl.constexpr,
-            D: tl.constexpr, D_PAD: tl.constexpr):
+def _load_q(
+    q_ptr,
+    b,
+    h,
+    stride_qb,
+    stride_qh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     return tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :],
-        mask=(g < G)[:, None] & (d < D)[None, :], other=0.0,
+        mask=(g < G)[:, None] & (d < D)[None, :],
+        other=0.0,
     )
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, blk, h, off, ok, d, d_ok,
-             stride_kb, stride_kh, stride_ks, stride_kd,
-             stride_vb, stride_vh, stride_vs, stride_vd):
+def _load_kv(
+    k_ptr,
+    v_ptr,
+    blk,
+    h,
+    off,
+    ok,
+    d,
+    d_ok,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+):
     """K and V tiles [N, D_PAD] of head h at (block blk, offset off) per
     token, each through its own strides; tokens with ok == False read 0.
     A channel stride of 1 is specialized by Triton (unit-stride loads)."""
@@ -114,14 +157,45 @@ def _load_kv(k_ptr, v_ptr, blk, h, off, ok, d, d_ok,
 
 @triton.jit
 def _sparse_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, sel_ptr, nc_ptr, ts_ptr, seq_ptr, topk_ptr,
-    o_ptr, lse_ptr, out_ptr,
-    num_kv_heads, num_sel, num_splits, extra, scale_log2,
-    stride_qb, stride_qh, stride_bt, stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, PS: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
-    UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    sel_ptr,
+    nc_ptr,
+    ts_ptr,
+    seq_ptr,
+    topk_ptr,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    num_kv_heads,
+    num_sel,
+    num_splits,
+    extra,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    PS: tl.constexpr,
+    PAGES_PER_TILE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -144,8 +218,9 @@ def _sparse_decode_kernel(
     row_bt = bt_ptr + b.to(tl.int64) * stride_bt
     # The row's own entries spread over the splits (the grid is fixed by
     # n_sel; under a CUDA graph n_sel is the largest any row may use).
-    tiles_per_split = ((n_use + PAGES_PER_TILE - 1) // PAGES_PER_TILE
-                       + num_splits - 1) // num_splits
+    tiles_per_split = (
+        (n_use + PAGES_PER_TILE - 1) // PAGES_PER_TILE + num_splits - 1
+    ) // num_splits
     lo = split * (tiles_per_split * PAGES_PER_TILE)
     hi = tl.minimum(lo + tiles_per_split * PAGES_PER_TILE, n_use)
     for e0 in range(lo, hi, PAGES_PER_TILE):
@@ -158,18 +233,62 @@ def _sparse_decode_kernel(
         slot = start + to
         ok = e_ok & (slot < end)
         blk = tl.load(row_bt + start // BS, mask=ok, other=0).to(tl.int64)
-        k, v = _load_kv(k_ptr, v_ptr, blk, h, slot % BS, ok, d, d_ok,
-                        stride_kb, stride_kh, stride_ks, stride_kd,
-                        stride_vb, stride_vh, stride_vs, stride_vd)
+        k, v = _load_kv(
+            k_ptr,
+            v_ptr,
+            blk,
+            h,
+            slot % BS,
+            ok,
+            d,
+            d_ok,
+            stride_kb,
+            stride_kh,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vs,
+            stride_vd,
+        )
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
-    _store_result(acc, m_i, l_i, o_ptr, lse_ptr, out_ptr, b, h, bh, split, num_splits,
-                  seq, stride_ob, stride_oh, G, G_PAD, D, D_PAD, DIRECT)
+    _store_result(
+        acc,
+        m_i,
+        l_i,
+        o_ptr,
+        lse_ptr,
+        out_ptr,
+        b,
+        h,
+        bh,
+        split,
+        num_splits,
+        seq,
+        stride_ob,
+        stride_oh,
+        G,
+        G_PAD,
+        D,
+        D_PAD,
+        DIRECT,
+    )
 
 
 @triton.jit
 def _merge_splits_kernel(
-    o_ptr, lse_ptr, out_ptr, seq_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
-    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    seq_ptr,
+    num_q_heads,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)  # = b * Hq + hq = (b * Hkv + h) * G + g
     b = pid // num_q_heads
@@ -186,11 +305,15 @@ def _merge_splits_kernel(
     w = tl.exp2(lse - m_safe)
     total = tl.sum(w, 0)
     d = tl.arange(0, D_PAD)
-    o = tl.load(o_ptr + idx[:, None] * D + d[None, :],
-                mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
+    o = tl.load(
+        o_ptr + idx[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0
+    )
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
-             res.to(out_ptr.dtype.element_ty), mask=(d < D) & ((d * 0 + seq) > 0))
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=(d < D) & ((d * 0 + seq) > 0),
+    )
 
 
 # Launch settings from compile_kernels.py's register counts (Triton 3.6 and
@@ -205,8 +328,9 @@ def launch_options(dtype: torch.dtype) -> dict:
     return dict(num_warps=4, num_stages=1 if dtype == torch.float32 else 3)
 
 
-def plan_splits(num_tiles: int, num_programs: int, device: torch.device,
-                num_splits: int | None = None) -> tuple[int, int]:
+def plan_splits(
+    num_tiles: int, num_programs: int, device: torch.device, num_splits: int | None = None
+) -> tuple[int, int]:
     """(splits, tiles per split) for num_tiles tiles of work per program row:
     enough programs to fill the GPU (about 4 per SM), never an empty split."""
     num_tiles = max(1, int(num_tiles))
@@ -220,8 +344,18 @@ def plan_splits(num_tiles: int, num_programs: int, device: torch.device,
 def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d):
     batch, hq, _ = out.shape
     _merge_splits_kernel[(batch * hq,)](
-        o_part, lse_part, out, seq_lens, hq, num_splits, out.stride(0), out.stride(1),
-        G=group, D=d, D_PAD=head_pad(d), S_PAD=max(2, next_pow2(num_splits)),
+        o_part,
+        lse_part,
+        out,
+        seq_lens,
+        hq,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        D=d,
+        D_PAD=head_pad(d),
+        S_PAD=max(2, next_pow2(num_splits)),
         num_warps=4,
     )
 
@@ -277,30 +411,55 @@ def sparse_decode(
         return out
     sel = sel.contiguous()
     num_sel = sel.shape[2]
-    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start,
-                                                          seq_lens, topk)
+    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start, seq_lens, topk)
     pages_per_tile = max(1, tile_tokens // page_size)
-    splits, _ = plan_splits(cdiv(num_sel, pages_per_tile), batch * hkv, query.device,
-                            num_splits)
+    splits, _ = plan_splits(cdiv(num_sel, pages_per_tile), batch * hkv, query.device, num_splits)
     direct = splits == 1
     g_pad = group_pad(group)
     if direct:
         o_part = lse_part = out  # unused
     else:
-        o_part = torch.empty(batch * hkv * splits * group, d, device=query.device,
-                             dtype=torch.float32)
-        lse_part = torch.empty(batch * hkv * splits * group, device=query.device,
-                               dtype=torch.float32)
+        o_part = torch.empty(
+            batch * hkv * splits * group, d, device=query.device, dtype=torch.float32
+        )
+        lse_part = torch.empty(
+            batch * hkv * splits * group, device=query.device, dtype=torch.float32
+        )
     _sparse_decode_kernel[(batch * hkv, splits)](
-        query, k_cache, v_cache, block_table, sel, num_compact, tail_start, seq_lens,
-        topk, o_part, lse_part, out,
-        hkv, num_sel, splits, int(extra_pages), float(scale) * _LOG2E,
-        query.stride(0), query.stride(1), block_table.stride(0),
-        *cache_strides(k_cache), *cache_strides(v_cache),
-        out.stride(0), out.stride(1),
-        G=group, G_PAD=g_pad, D=d, D_PAD=head_pad(d), BS=bs, PS=page_size,
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        sel,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topk,
+        o_part,
+        lse_part,
+        out,
+        hkv,
+        num_sel,
+        splits,
+        int(extra_pages),
+        float(scale) * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        block_table.stride(0),
+        *cache_strides(k_cache),
+        *cache_strides(v_cache),
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        G_PAD=g_pad,
+        D=d,
+        D_PAD=head_pad(d),
+        BS=bs,
+        PS=page_size,
         PAGES_PER_TILE=pages_per_tile,
-        UPCAST=dot_upcast(k_cache.dtype), DIRECT=direct, **launch_options(k_cache.dtype),
+        UPCAST=dot_upcast(k_cache.dtype),
+        DIRECT=direct,
+        **launch_options(k_cache.dtype),
     )
     if not direct:
         merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)

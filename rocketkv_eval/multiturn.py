@@ -26,13 +26,39 @@ from rocketkv_eval.needle import _sentence
 
 # RULER-style needles (the small default model retrieves these reliably):
 # one 7-digit number per key, asked with an answer prefix to continue.
-_KEY_ADJS = ["brave", "silent", "golden", "rapid", "gentle", "clever", "hollow",
-             "frozen", "lucky", "humble", "fierce", "silver"]
-_KEY_NOUNS = ["falcon", "dragon", "tiger", "rocket", "castle", "pirate", "wizard",
-              "anchor", "compass", "lantern", "violin", "dolphin"]
+_KEY_ADJS = [
+    "brave",
+    "silent",
+    "golden",
+    "rapid",
+    "gentle",
+    "clever",
+    "hollow",
+    "frozen",
+    "lucky",
+    "humble",
+    "fierce",
+    "silver",
+]
+_KEY_NOUNS = [
+    "falcon",
+    "dragon",
+    "tiger",
+    "rocket",
+    "castle",
+    "pirate",
+    "wizard",
+    "anchor",
+    "compass",
+    "lantern",
+    "violin",
+    "dolphin",
+]
 FACT = "One of the special magic numbers for {key} is: {value}."
-INTRO = ("Some special magic numbers are hidden within the following text. Make sure "
-         "to memorize it. I will quiz you about the numbers afterwards.")
+INTRO = (
+    "Some special magic numbers are hidden within the following text. Make sure "
+    "to memorize it. I will quiz you about the numbers afterwards."
+)
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 
@@ -57,8 +83,13 @@ class Conversation:
         """The chat as sent for ``turn`` (0-based), the model's answers to
         the earlier turns included (each after its answer prefix). The
         prompt continues with this turn's answer prefix (``prompt_ids``)."""
-        msgs = [{"role": "user", "content": f"{INTRO}\n\n{self.document}\n\n"
-                 + QUESTION.format(key=self.facts[0].key)}]
+        msgs = [
+            {
+                "role": "user",
+                "content": f"{INTRO}\n\n{self.document}\n\n"
+                + QUESTION.format(key=self.facts[0].key),
+            }
+        ]
         for t in range(1, turn + 1):
             msgs.append({"role": "assistant", "content": self.prefix(t - 1) + answers[t - 1]})
             msgs.append({"role": "user", "content": QUESTION.format(key=self.facts[t].key)})
@@ -74,8 +105,7 @@ class Conversation:
 def make_conversation(tokenizer, doc_tokens: int, turns: int, seed: int) -> Conversation:
     """A document of about ``doc_tokens`` tokens with ``turns`` facts."""
     rng = random.Random(seed)
-    keys = [f"{a}-{n}" for a, n in zip(rng.sample(_KEY_ADJS, turns),
-                                        rng.sample(_KEY_NOUNS, turns))]
+    keys = [f"{a}-{n}" for a, n in zip(rng.sample(_KEY_ADJS, turns), rng.sample(_KEY_NOUNS, turns))]
     facts = []
     for i, key in enumerate(keys):
         depth = (i + 0.5) / turns  # spread over the document
@@ -103,20 +133,23 @@ def render(tokenizer, messages: list[dict[str, str]], answer_prefix: str = "") -
     return list(tokenizer.encode(text + answer_prefix, add_special_tokens=False))
 
 
-def prompt_ids(tokenizer, conversation: Conversation, turn: int,
-               answers: list[str]) -> list[int]:
+def prompt_ids(tokenizer, conversation: Conversation, turn: int, answers: list[str]) -> list[int]:
     """Token ids of ``turn``'s prompt: the chat so far, then the answer prefix."""
     return render(tokenizer, conversation.messages(turn, answers), conversation.prefix(turn))
 
 
-def question_ids(tokenizer, conversation: Conversation, fact: int,
-                 document: str | None = None) -> list[int]:
+def question_ids(
+    tokenizer, conversation: Conversation, fact: int, document: str | None = None
+) -> list[int]:
     """A one-turn prompt asking one fact of the conversation's document (or
     of ``document``, which holds it)."""
     doc = conversation.document if document is None else document
     key = conversation.facts[fact].key
-    return render(tokenizer, [{"role": "user", "content": f"{INTRO}\n\n{doc}\n\n"
-                               + QUESTION.format(key=key)}], ANSWER_PREFIX.format(key=key))
+    return render(
+        tokenizer,
+        [{"role": "user", "content": f"{INTRO}\n\n{doc}\n\n" + QUESTION.format(key=key)}],
+        ANSWER_PREFIX.format(key=key),
+    )
 
 
 @dataclass
@@ -143,9 +176,15 @@ class RunResult:
         return [t for t in self.turns if t.turn > 0]
 
 
-def run_conversations(llm, tokenizer, conversations: list[Conversation], turns: int,
-                      max_tokens: int, progress: Any = None,
-                      request_kwargs: dict | None = None) -> RunResult:
+def run_conversations(
+    llm,
+    tokenizer,
+    conversations: list[Conversation],
+    turns: int,
+    max_tokens: int,
+    progress: Any = None,
+    request_kwargs: dict | None = None,
+) -> RunResult:
     """Every conversation at once; each next turn submitted when the
     previous one finished (greedy decoding)."""
     from vllm import SamplingParams
@@ -189,11 +228,19 @@ def run_conversations(llm, tokenizer, conversations: list[Conversation], turns: 
                 c, t, n, sent = submitted[out.request_id]
                 text = out.outputs[0].text
                 m = out.metrics
-                result.turns.append(TurnResult(
-                    c, t, n, out.num_cached_tokens or 0,
-                    m.first_token_ts - m.queued_ts if m is not None else float("nan"),
-                    time.perf_counter() - sent, blocks.get(out.request_id), text,
-                    conversations[c].correct(t, text)))
+                result.turns.append(
+                    TurnResult(
+                        c,
+                        t,
+                        n,
+                        out.num_cached_tokens or 0,
+                        m.first_token_ts - m.queued_ts if m is not None else float("nan"),
+                        time.perf_counter() - sent,
+                        blocks.get(out.request_id),
+                        text,
+                        conversations[c].correct(t, text),
+                    )
+                )
                 answers[c].append(text)
                 if progress is not None:
                     progress.update(1)

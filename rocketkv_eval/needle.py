@@ -8,27 +8,106 @@ actually exercised. The needle sits at a sentence boundary at a depth fraction.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-_PLACES = ["market", "library", "park", "bakery", "harbor", "museum",
-           "garden", "station", "school", "village square", "river bank",
-           "old mill", "post office", "town hall", "train platform", "cafe"]
-_THINGS = ["a basket of apples", "an old map", "a wool scarf", "fresh bread",
-           "a blue umbrella", "a pair of boots", "some garden tools",
-           "a book about birds", "a jar of honey", "a wooden chair",
-           "a kite", "a bag of flour", "a small lamp", "a bunch of tulips"]
-_VERBS = ["bought", "carried", "found", "repaired", "painted", "borrowed",
-          "cleaned", "sold", "wrapped", "delivered"]
-_TIMES = ["in the morning", "after lunch", "on Sunday", "before dinner",
-          "late in the evening", "during the holidays", "every spring",
-          "on a rainy afternoon", "at dawn", "last autumn"]
-_ADJS = ["quiet", "busy", "sunny", "narrow", "crowded", "peaceful", "windy",
-         "colorful", "tidy", "noisy", "cozy", "wide"]
-_ANIMALS = ["cats", "ducks", "sparrows", "dogs", "goats", "pigeons", "horses",
-            "rabbits", "geese", "squirrels"]
-_FOODS = ["soup", "rice", "pasta", "salad", "pancakes", "porridge", "fish",
-          "cheese", "berries", "tea"]
+_PLACES = [
+    "market",
+    "library",
+    "park",
+    "bakery",
+    "harbor",
+    "museum",
+    "garden",
+    "station",
+    "school",
+    "village square",
+    "river bank",
+    "old mill",
+    "post office",
+    "town hall",
+    "train platform",
+    "cafe",
+]
+_THINGS = [
+    "a basket of apples",
+    "an old map",
+    "a wool scarf",
+    "fresh bread",
+    "a blue umbrella",
+    "a pair of boots",
+    "some garden tools",
+    "a book about birds",
+    "a jar of honey",
+    "a wooden chair",
+    "a kite",
+    "a bag of flour",
+    "a small lamp",
+    "a bunch of tulips",
+]
+_VERBS = [
+    "bought",
+    "carried",
+    "found",
+    "repaired",
+    "painted",
+    "borrowed",
+    "cleaned",
+    "sold",
+    "wrapped",
+    "delivered",
+]
+_TIMES = [
+    "in the morning",
+    "after lunch",
+    "on Sunday",
+    "before dinner",
+    "late in the evening",
+    "during the holidays",
+    "every spring",
+    "on a rainy afternoon",
+    "at dawn",
+    "last autumn",
+]
+_ADJS = [
+    "quiet",
+    "busy",
+    "sunny",
+    "narrow",
+    "crowded",
+    "peaceful",
+    "windy",
+    "colorful",
+    "tidy",
+    "noisy",
+    "cozy",
+    "wide",
+]
+_ANIMALS = [
+    "cats",
+    "ducks",
+    "sparrows",
+    "dogs",
+    "goats",
+    "pigeons",
+    "horses",
+    "rabbits",
+    "geese",
+    "squirrels",
+]
+_FOODS = [
+    "soup",
+    "rice",
+    "pasta",
+    "salad",
+    "pancakes",
+    "porridge",
+    "fish",
+    "cheese",
+    "berries",
+    "tea",
+]
 _WEATHER = ["cold", "warm", "cloudy", "dry", "foggy", "mild", "stormy", "hot"]
 # No personal names: with names in the filler the 135M model often answered
 # with a name instead of the passphrase (dense 8/12 -> 10/12 without them).
@@ -52,11 +131,21 @@ _TEMPLATES = [
 # tokens for its tokenizer both with and without a leading space (it often
 # answers in quotes, and mangles words that split there, e.g. "onyx" -> "yx")
 # and stay clear of the filler's vocabulary (seasons, weather, places).
-_SECRET_WORDS = ["amber", "orange", "purple", "ocean", "forest", "wolf",
-                 "lion", "music", "window", "paper", "table"]
+_SECRET_WORDS = [
+    "amber",
+    "orange",
+    "purple",
+    "ocean",
+    "forest",
+    "wolf",
+    "lion",
+    "music",
+    "window",
+    "paper",
+    "table",
+]
 NEEDLE_TEMPLATE = "The secret passphrase is {secret}."
-INTRO = ("Below is a long text. Somewhere in it there is a secret passphrase. "
-         "Read it carefully.")
+INTRO = "Below is a long text. Somewhere in it there is a secret passphrase. Read it carefully."
 QUESTION = "What is the secret passphrase? Answer with the passphrase only."
 
 
@@ -76,10 +165,14 @@ def _make_secret(rng: random.Random) -> str:
 def _sentence(rng: random.Random) -> str:
     return rng.choice(_TEMPLATES).format(
         verb=rng.choice(_VERBS),
-        thing=rng.choice(_THINGS), place=rng.choice(_PLACES),
-        time=rng.choice(_TIMES), adj=rng.choice(_ADJS),
-        animals=rng.choice(_ANIMALS), food=rng.choice(_FOODS),
-        weather=rng.choice(_WEATHER))
+        thing=rng.choice(_THINGS),
+        place=rng.choice(_PLACES),
+        time=rng.choice(_TIMES),
+        adj=rng.choice(_ADJS),
+        animals=rng.choice(_ANIMALS),
+        food=rng.choice(_FOODS),
+        weather=rng.choice(_WEATHER),
+    )
 
 
 def _haystack(filler: Sequence[str], n: int, needle: str, depth: float) -> str:
@@ -87,7 +180,7 @@ def _haystack(filler: Sequence[str], n: int, needle: str, depth: float) -> str:
 
     def paras(sents: Sequence[str]) -> list[str]:
         # Short paragraphs read more like a document than one wall of text.
-        return [" ".join(sents[i:i + 6]) for i in range(0, len(sents), 6)]
+        return [" ".join(sents[i : i + 6]) for i in range(0, len(sents), 6)]
 
     # The needle gets its own paragraph: mid-paragraph needles were retrieved
     # noticeably less reliably by the 135M model under dense attention.
@@ -97,14 +190,15 @@ def _haystack(filler: Sequence[str], n: int, needle: str, depth: float) -> str:
 def _render(tokenizer: Any, haystack: str) -> tuple[str, list[int]]:
     user = f"{INTRO}\n\n{haystack}\n\n{QUESTION}"
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user}], tokenize=False,
-        add_generation_prompt=True)
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
     # The template already holds the special tokens; don't add a second BOS.
     return prompt, list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
-def build_needle_prompt(tokenizer: Any, target_tokens: int, depth: float,
-                        seed: int = 0) -> NeedleCase:
+def build_needle_prompt(
+    tokenizer: Any, target_tokens: int, depth: float, seed: int = 0
+) -> NeedleCase:
     """Chat prompt of about ``target_tokens`` tokens (within ~2%) with a needle.
 
     ``tokenizer`` is a Hugging Face tokenizer with a chat template (vLLM's
@@ -118,8 +212,9 @@ def build_needle_prompt(tokenizer: Any, target_tokens: int, depth: float,
 
     base_len = len(_render(tokenizer, needle)[1])  # prompt with no filler
     if target_tokens < base_len:
-        raise ValueError(f"target_tokens={target_tokens} is below the "
-                         f"{base_len}-token minimum prompt")
+        raise ValueError(
+            f"target_tokens={target_tokens} is below the {base_len}-token minimum prompt"
+        )
 
     filler: list[str] = []
     lens: list[int] = []  # cumulative token estimate per sentence
@@ -149,8 +244,7 @@ def build_needle_prompt(tokenizer: Any, target_tokens: int, depth: float,
             lens.append(lens[-1] + int(avg))
     assert best is not None
     _, prompt, ids = best
-    return NeedleCase(prompt=prompt, num_tokens=len(ids), answer=secret,
-                      depth=depth, token_ids=ids)
+    return NeedleCase(prompt=prompt, num_tokens=len(ids), answer=secret, depth=depth, token_ids=ids)
 
 
 def is_correct(answer_text: str, case: NeedleCase) -> bool:

@@ -37,8 +37,9 @@ references found (case-insensitive substring) in the output.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rocketkv_eval.needle import _sentence as _text_sentence
 
@@ -62,20 +63,65 @@ DEFAULT_HAYSTACK = {
 }
 HAYSTACKS = ("noise", "text")
 
-_NOISE = ["The grass is green.", "The sky is blue.", "The sun is yellow.",
-          "Here we go.", "There and back again."]
+_NOISE = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+]
 
 # Key words: adjective-noun pairs, clear of the filler vocabulary.
-_KEY_ADJS = ["brave", "silent", "golden", "rapid", "gentle", "clever", "hollow",
-             "frozen", "lucky", "humble", "fierce", "silver", "hidden", "proud",
-             "shiny", "wild", "calm", "bold", "tiny", "giant"]
-_KEY_NOUNS = ["falcon", "dragon", "tiger", "rocket", "castle", "pirate", "wizard",
-              "anchor", "compass", "lantern", "violin", "dolphin", "panther",
-              "engine", "glacier", "meteor", "cactus", "walrus", "beacon", "puzzle"]
+_KEY_ADJS = [
+    "brave",
+    "silent",
+    "golden",
+    "rapid",
+    "gentle",
+    "clever",
+    "hollow",
+    "frozen",
+    "lucky",
+    "humble",
+    "fierce",
+    "silver",
+    "hidden",
+    "proud",
+    "shiny",
+    "wild",
+    "calm",
+    "bold",
+    "tiny",
+    "giant",
+]
+_KEY_NOUNS = [
+    "falcon",
+    "dragon",
+    "tiger",
+    "rocket",
+    "castle",
+    "pirate",
+    "wizard",
+    "anchor",
+    "compass",
+    "lantern",
+    "violin",
+    "dolphin",
+    "panther",
+    "engine",
+    "glacier",
+    "meteor",
+    "cactus",
+    "walrus",
+    "beacon",
+    "puzzle",
+]
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
-NIAH_INTRO = ("Some special magic numbers are hidden within the following text. "
-              "Make sure to memorize it. I will quiz you about the numbers afterwards.")
+NIAH_INTRO = (
+    "Some special magic numbers are hidden within the following text. "
+    "Make sure to memorize it. I will quiz you about the numbers afterwards."
+)
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text."
 
@@ -132,7 +178,7 @@ def _key(rng: random.Random, used: set[str]) -> str:
 
 def _number(rng: random.Random, digits: int, used: set[str]) -> str:
     while True:
-        v = str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+        v = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
         if v not in used:
             used.add(v)
             return v
@@ -163,8 +209,7 @@ class _Filler:
         return self.items[:n]
 
 
-def _haystack(units: list[str], needles: list[tuple[float, str]], pad: str,
-              pad_front: bool) -> str:
+def _haystack(units: list[str], needles: list[tuple[float, str]], pad: str, pad_front: bool) -> str:
     """Filler units with each needle at round(depth * len(units)) units in.
 
     Needles are paragraphs of their own; filler comes in paragraphs of 6
@@ -180,7 +225,7 @@ def _haystack(units: list[str], needles: list[tuple[float, str]], pad: str,
 
     def flush():
         for i in range(0, len(run), 6):
-            paras.append(" ".join(run[i:i + 6]))
+            paras.append(" ".join(run[i : i + 6]))
         run.clear()
 
     for i in range(k + 1):
@@ -198,8 +243,13 @@ def _haystack(units: list[str], needles: list[tuple[float, str]], pad: str,
     return "\n\n".join(paras)
 
 
-def _fit(tokenizer: Any, render: Callable[[str], str], filler: _Filler,
-         needles: list[tuple[float, str]], target: int) -> tuple[str, list[int]]:
+def _fit(
+    tokenizer: Any,
+    render: Callable[[str], str],
+    filler: _Filler,
+    needles: list[tuple[float, str]],
+    target: int,
+) -> tuple[str, list[int]]:
     """Exactly ``target`` tokens: most whole filler units, then word padding."""
 
     def encode(text: str) -> list[int]:
@@ -243,16 +293,18 @@ def _fit(tokenizer: Any, render: Callable[[str], str], filler: _Filler,
     raise RuntimeError(f"could not size a prompt to exactly {target} tokens")
 
 
-def _renderer(tokenizer: Any, intro: str, question: str, answer_prefix: str,
-              chat: bool) -> Callable[[str], str]:
+def _renderer(
+    tokenizer: Any, intro: str, question: str, answer_prefix: str, chat: bool
+) -> Callable[[str], str]:
     def render(haystack: str) -> str:
         user = f"{intro}\n\n{haystack}\n\n{question}"
         if chat:
             head = tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], tokenize=False,
-                add_generation_prompt=True)
+                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+            )
             return head + answer_prefix
         return f"{user}\n{answer_prefix}"
+
     return render
 
 
@@ -260,9 +312,16 @@ def _join(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def make_sample(task: str, tokenizer: Any, length: int, index: int = 0,
-                num_samples: int = 1, seed: int = 0, haystack: str | None = None,
-                chat: bool | None = None) -> Sample:
+def make_sample(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    index: int = 0,
+    num_samples: int = 1,
+    seed: int = 0,
+    haystack: str | None = None,
+    chat: bool | None = None,
+) -> Sample:
     """One sample of ``task`` with a prompt of exactly ``length`` tokens."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose from {TASKS}")
@@ -277,16 +336,20 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int = 0,
         value = _number(rng, 5, used)
         names = [_var(rng, used) for _ in range(5)]
         stmts = [f"VAR {names[0]} = {value}."] + [
-            f"VAR {names[i]} = {names[i - 1]}." for i in range(1, 5)]
+            f"VAR {names[i]} = {names[i - 1]}." for i in range(1, 5)
+        ]
         depths = sorted(rng.uniform(0.0, 1.0) for _ in stmts)
         needles = list(zip(depths, stmts))
-        question = (f"Question: Find all variables that are assigned the value "
-                    f"{value} in the text above.")
+        question = (
+            f"Question: Find all variables that are assigned the value {value} in the text above."
+        )
         # RULER's answer prefix ends "they are: "; SmolLM2-135M then wrote filler
         # (0/6 at 2k tokens). Opening the list with "VAR" (no trailing space,
         # which BPE models rarely continue from) made it list names (40%).
-        prefix = (f"Answer: According to the chain(s) of variable assignment in the "
-                  f"text above, 5 variables are assigned the value {value}, they are: VAR")
+        prefix = (
+            f"Answer: According to the chain(s) of variable assignment in the "
+            f"text above, 5 variables are assigned the value {value}, they are: VAR"
+        )
         render = _renderer(tokenizer, VT_INTRO, question, prefix, chat)
         refs, depth = names, depths[0]
     else:
@@ -300,35 +363,37 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int = 0,
             keys = [_key(rng, used) for _ in range(4)]
             values = [_number(rng, 7, used) for _ in range(4)]
             depths = [rng.uniform(0.0, 1.0) for _ in range(4)]
-            needles = [(d, NEEDLE.format(key=k, value=v))
-                       for d, k, v in zip(depths, keys, values)]
+            needles = [(d, NEEDLE.format(key=k, value=v)) for d, k, v in zip(depths, keys, values)]
             asked, refs = keys[:1], values[:1]
         elif task == "niah_multivalue":
             keys = [_key(rng, used)]
             values = [_number(rng, 7, used) for _ in range(4)]
             depths = [rng.uniform(0.0, 1.0) for _ in range(4)]
-            needles = [(d, NEEDLE.format(key=keys[0], value=v))
-                       for d, v in zip(depths, values)]
+            needles = [(d, NEEDLE.format(key=keys[0], value=v)) for d, v in zip(depths, values)]
             asked, refs = keys, values
         else:  # niah_multiquery
             keys = [_key(rng, used) for _ in range(4)]
             values = [_number(rng, 7, used) for _ in range(4)]
             depths = [rng.uniform(0.0, 1.0) for _ in range(4)]
-            needles = [(d, NEEDLE.format(key=k, value=v))
-                       for d, k, v in zip(depths, keys, values)]
+            needles = [(d, NEEDLE.format(key=k, value=v)) for d, k, v in zip(depths, keys, values)]
             asked, refs = keys, values
         depth = needles[0][0]
         rng.shuffle(needles)  # needle order in the list is irrelevant; keep it seeded
         many = task in ("niah_multivalue", "niah_multiquery")
         noun = "numbers" if many else "number"
         if many:
-            question = (f"What are all the special magic numbers for {_join(asked)} "
-                        f"mentioned in the provided text?")
+            question = (
+                f"What are all the special magic numbers for {_join(asked)} "
+                f"mentioned in the provided text?"
+            )
         else:
-            question = (f"What is the special magic number for {asked[0]} "
-                        f"mentioned in the provided text?")
-        prefix = (f"The special magic {noun} for {_join(asked)} mentioned in the "
-                  f"provided text {'are' if many else 'is'}")
+            question = (
+                f"What is the special magic number for {asked[0]} mentioned in the provided text?"
+            )
+        prefix = (
+            f"The special magic {noun} for {_join(asked)} mentioned in the "
+            f"provided text {'are' if many else 'is'}"
+        )
         # SmolLM2-135M, dense, 2k tokens, 6 samples: with RULER's bare "are" it
         # wrote filler more often than numbers (multivalue 13%, multiquery 25%);
         # starting the list lifts both (71% with ":\n1.", 63% with ":\n<key>:").
@@ -339,13 +404,28 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int = 0,
         render = _renderer(tokenizer, NIAH_INTRO, question, prefix, chat)
 
     prompt, ids = _fit(tokenizer, render, filler, needles, length)
-    return Sample(task=task, length=length, index=index, prompt=prompt,
-                  references=list(refs), depth=float(depth),
-                  max_tokens=DEFAULT_MAX_TOKENS[task], token_ids=ids)
+    return Sample(
+        task=task,
+        length=length,
+        index=index,
+        prompt=prompt,
+        references=list(refs),
+        depth=float(depth),
+        max_tokens=DEFAULT_MAX_TOKENS[task],
+        token_ids=ids,
+    )
 
 
-def make_samples(task: str, tokenizer: Any, length: int, num_samples: int,
-                 seed: int = 0, haystack: str | None = None,
-                 chat: bool | None = None) -> list[Sample]:
-    return [make_sample(task, tokenizer, length, i, num_samples, seed, haystack, chat)
-            for i in range(num_samples)]
+def make_samples(
+    task: str,
+    tokenizer: Any,
+    length: int,
+    num_samples: int,
+    seed: int = 0,
+    haystack: str | None = None,
+    chat: bool | None = None,
+) -> list[Sample]:
+    return [
+        make_sample(task, tokenizer, length, i, num_samples, seed, haystack, chat)
+        for i in range(num_samples)
+    ]

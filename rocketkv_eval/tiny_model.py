@@ -17,8 +17,9 @@ from rocketkv_eval.model import default_cache_dir, prepare_default_model
 _DONE = ".rocketkv-tiny-complete"
 
 
-def prepare_tiny_model(head_dim: int, num_heads: int = 2, num_kv_heads: int = 1,
-                       num_layers: int = 2, seed: int = 0) -> str:
+def prepare_tiny_model(
+    head_dim: int, num_heads: int = 2, num_kv_heads: int = 1, num_layers: int = 2, seed: int = 0
+) -> str:
     """A directory vLLM loads: a Llama of ``num_layers`` layers whose
     attention has ``num_heads`` query heads of ``head_dim`` channels."""
     name = f"tiny-llama-d{head_dim}-h{num_heads}-kv{num_kv_heads}-l{num_layers}-s{seed}"
@@ -33,11 +34,19 @@ def prepare_tiny_model(head_dim: int, num_heads: int = 2, num_kv_heads: int = 1,
     tokenizer = AutoTokenizer.from_pretrained(source)
     hidden = 64 * num_heads
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=8192,
-        rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     out.parent.mkdir(parents=True, exist_ok=True)

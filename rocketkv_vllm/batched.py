@@ -49,8 +49,7 @@ def view_pages(
     compact_pages = (nc + page_size - 1) // page_size
     j = torch.arange(max_pages, device=device)[None, :]
     in_compact = j < compact_pages
-    start = torch.where(in_compact, j * page_size,
-                        ts + (j - compact_pages) * page_size)
+    start = torch.where(in_compact, j * page_size, ts + (j - compact_pages) * page_size)
     end = torch.where(in_compact, nc, sl)
     tokens = (end - start).clamp(0, page_size)
     start = start.clamp(0, block_table.shape[1] * block_size - 1)
@@ -107,7 +106,8 @@ def select_pages(
     order = q.abs().sum(2).argsort(dim=-1, descending=True)  # [B, Hkv, d]
     ranks = torch.arange(d, device=q.device).expand(batch, num_kv_heads, d)
     chosen = torch.zeros_like(order, dtype=torch.bool).scatter_(
-        -1, order, ranks < topr.long()[:, None, None])
+        -1, order, ranks < topr.long()[:, None, None]
+    )
     positive = (q.sum(2) > 0)[:, :, None, :]  # [B, Hkv, 1, d]
     q_r = q * chosen[:, :, None, :]
     # Upper bound per channel: q * max where the group's sign is positive,
@@ -131,14 +131,12 @@ def select_pages(
     probs = (expd / denom.clamp_min(1e-30)).mean(dim=2)  # [B, Hkv, P]
     extra = 1 if force_current_page else 0
     if force_current_page:
-        probs = probs.scatter(2, pages.current[:, None, None].expand(
-            batch, num_kv_heads, 1), 2.0)
+        probs = probs.scatter(2, pages.current[:, None, None].expand(batch, num_kv_heads, 1), 2.0)
     # Padding pages sort last (below every real page's probability >= 0).
     probs = probs.masked_fill(~valid_page[:, None, :], -1.0)
     n = min(max_select + extra, probs.shape[-1])
     top = probs.topk(n, dim=-1).indices  # [B, Hkv, n]
-    rank_ok = (torch.arange(n, device=q.device)
-               < num_select.long()[:, None, None] + extra)
+    rank_ok = torch.arange(n, device=q.device) < num_select.long()[:, None, None] + extra
     valid = rank_ok & valid_page[:, None, :].expand_as(probs).gather(2, top)
     return top, valid
 
@@ -197,7 +195,8 @@ def hsa_decode_batch(
     """Stage 2 for one decode token per row: KT update, page choice, sparse
     attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype."""
     update_kt(k_cache, kt_cache, block_table, seq_lens, page_size)
-    top, valid = select_pages(query, kt_cache, pages, topr, num_select, max_select,
-                              force_current_page)
+    top, valid = select_pages(
+        query, kt_cache, pages, topr, num_select, max_select, force_current_page
+    )
     out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale)
     return out.to(query.dtype)

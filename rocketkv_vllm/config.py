@@ -33,16 +33,28 @@ class RocketKVConfigError(ValueError):
     """A RocketKV setting is missing, unknown or out of range."""
 
 
-def knob(default: Any, doc: str, *, kind: type | tuple = int, lo: int | None = None,
-         hi: int | None = None, nullable: bool = False, odd: bool = False,
-         pow2: bool = False, shown: str | None = None) -> Any:
+def knob(
+    default: Any,
+    doc: str,
+    *,
+    kind: type | tuple = int,
+    lo: int | None = None,
+    hi: int | None = None,
+    nullable: bool = False,
+    odd: bool = False,
+    pow2: bool = False,
+    shown: str | None = None,
+) -> Any:
     """A user setting: its default, one-line documentation (the README
     table) and what values it allows. ``kind`` is int, bool, str (a preset
     name or path) or a tuple of allowed strings; ``shown`` is the default as
     the table prints it when it is not the value itself."""
-    return field(default=default, metadata=dict(
-        doc=doc, kind=kind, lo=lo, hi=hi, nullable=nullable, odd=odd, pow2=pow2,
-        shown=shown))
+    return field(
+        default=default,
+        metadata=dict(
+            doc=doc, kind=kind, lo=lo, hi=hi, nullable=nullable, odd=odd, pow2=pow2, shown=shown
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -57,50 +69,95 @@ class RocketKVConfig:
     """
 
     preset: str | None = knob(
-        None, "a file from `configs/` (`budget-256`, `budget-1024`, `budget-2048`, "
+        None,
+        "a file from `configs/` (`budget-256`, `budget-1024`, `budget-2048`, "
         "`trtllm`) or a YAML path; keys given next to it override it",
-        kind=str, nullable=True, shown="none")
+        kind=str,
+        nullable=True,
+        shown="none",
+    )
     token_budget: int | None = knob(
-        None, "one number B; per request, SPEC §1's split gives `prompt_budget`, "
-        "`topk`, `topr` (see below)", lo=16, hi=MAX_INT, nullable=True, shown="none")
+        None,
+        "one number B; per request, SPEC §1's split gives `prompt_budget`, "
+        "`topk`, `topr` (see below)",
+        lo=16,
+        hi=MAX_INT,
+        nullable=True,
+        shown="none",
+    )
     prompt_budget: int = knob(
-        2048, "tokens kept per KV head after prefill (prompts this short or shorter "
-        "are not compressed); >= `window_size + block_size`", lo=2, hi=MAX_INT)
+        2048,
+        "tokens kept per KV head after prefill (prompts this short or shorter "
+        "are not compressed); >= `window_size + block_size`",
+        lo=2,
+        hi=MAX_INT,
+    )
     window_size: int = knob(
-        32, "observation window (last prompt tokens whose queries score the "
+        32,
+        "observation window (last prompt tokens whose queries score the "
         "prompt); always kept; with eviction on, at least `block_size - 1` (the "
-        "prompt's last, partly filled block stays in place)", lo=1, hi=4096)
-    kernel_size: int = knob(63, "max-pool width over the scores (odd)", lo=1, hi=4095,
-                            odd=True)
+        "prompt's last, partly filled block stays in place)",
+        lo=1,
+        hi=4096,
+    )
+    kernel_size: int = knob(63, "max-pool width over the scores (odd)", lo=1, hi=4095, odd=True)
     page_size: int | None = knob(
-        None, "tokens per KT page; a power of two dividing the KV block size "
-        "(default 4, or derived from `token_budget`)", lo=1, hi=256, nullable=True,
-        pow2=True, shown="4")
+        None,
+        "tokens per KT page; a power of two dividing the KV block size "
+        "(default 4, or derived from `token_budget`)",
+        lo=1,
+        hi=256,
+        nullable=True,
+        pow2=True,
+        shown="4",
+    )
     topk: int = knob(
-        256, "tokens attended per decode step (`topk / page_size` pages); a multiple "
+        256,
+        "tokens attended per decode step (`topk / page_size` pages); a multiple "
         "of `page_size`; more than the view means every kept token; refused next "
-        "to `token_budget`", lo=1, hi=MAX_INT)
+        "to `token_budget`",
+        lo=1,
+        hi=MAX_INT,
+    )
     topr: int | None = knob(
-        None, "query channels used to score pages; refused next to `token_budget`",
-        lo=1, hi=1024, nullable=True, shown="head dim")
+        None,
+        "query channels used to score pages; refused next to `token_budget`",
+        lo=1,
+        hi=1024,
+        nullable=True,
+        shown="head dim",
+    )
     max_new_tokens: int = knob(
-        256, "generation length the `token_budget` split assumes", lo=1, hi=MAX_INT)
+        256, "generation length the `token_budget` split assumes", lo=1, hi=MAX_INT
+    )
     force_current_page: bool = knob(
-        True, "also attend to the page of the newest token, on top of the `topk` "
-        "pages (not in the reference; the `trtllm` preset turns it off)", kind=bool)
+        True,
+        "also attend to the page of the newest token, on top of the `topk` "
+        "pages (not in the reference; the `trtllm` preset turns it off)",
+        kind=bool,
+    )
     evict: bool = knob(
-        True, "false: Stage 1 evicts nothing and every prompt longer than `topk` "
-        "still decodes sparsely (Quest-style)", kind=bool)
+        True,
+        "false: Stage 1 evicts nothing and every prompt longer than `topk` "
+        "still decodes sparsely (Quest-style)",
+        kind=bool,
+    )
     kernel: str = knob(
-        "auto", "`auto`: Triton on NVIDIA, the C++ Stage 2 kernel on CPU; `torch`: "
+        "auto",
+        "`auto`: Triton on NVIDIA, the C++ Stage 2 kernel on CPU; `torch`: "
         "batched PyTorch (the reference); `triton`: the Triton kernels (NVIDIA, or "
-        "`TRITON_INTERPRET=1`)", kind=KERNEL_CHOICES)
+        "`TRITON_INTERPRET=1`)",
+        kind=KERNEL_CHOICES,
+    )
     kt_dtype: str = knob(
-        "auto", "KT pages (per-page min/max keys) in the model dtype (`auto`) or in "
-        "fp8 rounded outward (`fp8_e4m3`: about half the bytes)", kind=KT_DTYPE_CHOICES)
+        "auto",
+        "KT pages (per-page min/max keys) in the model dtype (`auto`) or in "
+        "fp8 rounded outward (`fp8_e4m3`: about half the bytes)",
+        kind=KT_DTYPE_CHOICES,
+    )
     free_evicted_blocks: bool = knob(
-        True, "give evicted blocks back to vLLM (false keeps them: for A/B checks)",
-        kind=bool)
+        True, "give evicted blocks back to vLLM (false keeps them: for A/B checks)", kind=bool
+    )
 
 
 # token_budget derives these; an explicit one next to it is refused.
@@ -141,10 +198,13 @@ def _check_value(name: str, value: Any, meta: dict) -> None:
     elif kind is str:
         ok = isinstance(value, str)
     else:
-        ok = (isinstance(value, int) and not isinstance(value, bool)
-              and meta["lo"] <= value <= meta["hi"]
-              and (not meta["odd"] or value % 2 == 1)
-              and (not meta["pow2"] or value & (value - 1) == 0))
+        ok = (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and meta["lo"] <= value <= meta["hi"]
+            and (not meta["odd"] or value % 2 == 1)
+            and (not meta["pow2"] or value & (value - 1) == 0)
+        )
     if not ok:
         _fail(name, value, _allowed(meta))
 
@@ -167,8 +227,9 @@ def _read_preset_file(name: str, text_of) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         # The parser's own message quotes the file: say only what is wrong.
-        what = ("uses a YAML tag" if isinstance(e, yaml.constructor.ConstructorError)
-                else "is not YAML")
+        what = (
+            "uses a YAML tag" if isinstance(e, yaml.constructor.ConstructorError) else "is not YAML"
+        )
         _fail("preset", name, f"a plain YAML mapping without tags (this file {what}{where})")
     if data is None:
         return {}
@@ -192,6 +253,7 @@ def _load_preset(name: str) -> dict[str, Any]:
 
         def text_of():
             return entry.read_text(encoding="utf-8")
+
     data = _read_preset_file(name, text_of)
     bad = sorted(str(k) for k in set(data) - set(_KNOBS))
     if bad:
@@ -212,7 +274,8 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     unknown = sorted(set(raw) - set(_KNOBS))
     if unknown:
         raise RocketKVConfigError(
-            f"unknown rocketkv setting(s) {unknown}: allowed keys are {sorted(_KNOBS)}")
+            f"unknown rocketkv setting(s) {unknown}: allowed keys are {sorted(_KNOBS)}"
+        )
     merged: dict[str, Any] = {}
     if raw.get("preset") is not None:
         _check_value("preset", raw["preset"], _KNOBS["preset"])
@@ -227,10 +290,13 @@ def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
         for name in _SPLIT_KNOBS:
             if merged.get(name) is not None:
                 where = "" if name in raw else f" (set by preset {raw.get('preset')!r})"
-                _fail(name, merged[name],
-                      "only without token_budget, which derives prompt_budget, "
-                      f"topk and topr from one number{where}: give token_budget "
-                      "or the explicit knobs, not both")
+                _fail(
+                    name,
+                    merged[name],
+                    "only without token_budget, which derives prompt_budget, "
+                    f"topk and topr from one number{where}: give token_budget "
+                    "or the explicit knobs, not both",
+                )
     return RocketKVConfig(**merged)
 
 
@@ -239,8 +305,9 @@ def config_table() -> str:
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for f in fields(RocketKVConfig):
         meta = f.metadata
-        default = meta["shown"] or (str(f.default).lower() if isinstance(f.default, bool)
-                                    else str(f.default))
+        default = meta["shown"] or (
+            str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        )
         rows.append(f"| `{f.name}` | {default} | {meta['doc']} |")
     return "\n".join(rows)
 
@@ -272,8 +339,9 @@ def pow2_at_least(x: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
 
 
-def resolve_settings(cfg: RocketKVConfig, block_size: int, head_dim: int,
-                     max_model_len: int) -> RocketKVSettings:
+def resolve_settings(
+    cfg: RocketKVConfig, block_size: int, head_dim: int, max_model_len: int
+) -> RocketKVSettings:
     """Bind the user config to the engine; raise on combinations out of range."""
     from rocketkv_vllm.plan import split_token_budget
 
@@ -284,8 +352,12 @@ def resolve_settings(cfg: RocketKVConfig, block_size: int, head_dim: int,
         # per engine: the SPEC split for the longest prompt the engine takes,
         # rounded up to a power of two (at most one block).
         n = max(1, max_model_len - cfg.max_new_tokens)
-        page_size = min(block_size, pow2_at_least(split_token_budget(
-            cfg.token_budget, n, cfg.max_new_tokens, head_dim).page_size))
+        page_size = min(
+            block_size,
+            pow2_at_least(
+                split_token_budget(cfg.token_budget, n, cfg.max_new_tokens, head_dim).page_size
+            ),
+        )
     else:
         page_size = min(4, block_size)
     if block_size % page_size:
@@ -300,15 +372,23 @@ def resolve_settings(cfg: RocketKVConfig, block_size: int, head_dim: int,
         # The prompt's last block stays in place (up to block_size - 1
         # tokens); beyond the window those would be kept without a score,
         # where the reference keeps exactly the window.
-        _fail("window_size", cfg.window_size,
-              f"an integer in [block_size - 1, 4096] = [{block_size - 1}, 4096] "
-              f"with block_size={block_size} (or a smaller KV cache block size)")
-    settings = RocketKVSettings(**{**asdict(cfg), "page_size": page_size, "topr": topr},
-                                block_size=block_size, head_dim=head_dim)
-    if (cfg.evict and cfg.token_budget is None
-            and cfg.prompt_budget < settings.min_prompt_budget):
-        _fail("prompt_budget", cfg.prompt_budget,
-              f"an integer >= window_size + block_size = {settings.min_prompt_budget}")
+        _fail(
+            "window_size",
+            cfg.window_size,
+            f"an integer in [block_size - 1, 4096] = [{block_size - 1}, 4096] "
+            f"with block_size={block_size} (or a smaller KV cache block size)",
+        )
+    settings = RocketKVSettings(
+        **{**asdict(cfg), "page_size": page_size, "topr": topr},
+        block_size=block_size,
+        head_dim=head_dim,
+    )
+    if cfg.evict and cfg.token_budget is None and cfg.prompt_budget < settings.min_prompt_budget:
+        _fail(
+            "prompt_budget",
+            cfg.prompt_budget,
+            f"an integer >= window_size + block_size = {settings.min_prompt_budget}",
+        )
     return settings
 
 
@@ -337,5 +417,6 @@ def parse_test_aids(raw: dict[str, Any] | None) -> TestAids:
         if name not in allowed or not isinstance(value, bool):
             raise RocketKVConfigError(
                 f"{TEST_AIDS_KEY}.{name}={value!r} is invalid: allowed keys "
-                f"{sorted(allowed)}, each true or false")
+                f"{sorted(allowed)}, each true or false"
+            )
     return TestAids(**raw)

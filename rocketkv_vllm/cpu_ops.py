@@ -29,8 +29,7 @@ def _extension():
         # -fopenmp-simd: vectorize the marked loops, no OpenMP runtime;
         # 512-bit vectors where the CPU has them (GCC prefers 256 by default;
         # measured 1.5x faster Stage 2 on this AVX-512 machine).
-        extra_cflags=["-O3", "-march=native", "-fopenmp-simd",
-                      "-mprefer-vector-width=512"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-mprefer-vector-width=512"],
         verbose=False,
     )
 
@@ -65,5 +64,17 @@ def hsa_decode_batch(
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
     return _extension().hsa_decode(
-        query, kv_cache, kt_cache, block_table, num_compact, tail_start, seq_lens, topr,
-        num_select, page_size, scale, force_current_page, LAYOUT_CODES[layout])
+        query,
+        kv_cache,
+        kt_cache,
+        block_table,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topr,
+        num_select,
+        page_size,
+        scale,
+        force_current_page,
+        LAYOUT_CODES[layout],
+    )

@@ -74,28 +74,37 @@ def raw_config(vllm_config) -> dict:
     for key in extra:
         if key != CONFIG_KEY and _normalized(str(key)) == CONFIG_KEY:
             raise RocketKVConfigError(
-                f"additional_config key {key!r} is not a ROCKETKV key: did you mean "
-                f"{CONFIG_KEY!r}?")
+                f"additional_config key {key!r} is not a ROCKETKV key: did you mean {CONFIG_KEY!r}?"
+            )
     raw = extra.get(CONFIG_KEY)
     if raw is not None and not isinstance(raw, dict):
         raise RocketKVConfigError(
-            f"additional_config.{CONFIG_KEY} must be a JSON object, got {raw!r}")
+            f"additional_config.{CONFIG_KEY} must be a JSON object, got {raw!r}"
+        )
     return raw or {}
 
 
 @functools.lru_cache(maxsize=64)
-def _settings(raw_json: str, block_size: int, head_dim: int,
-              max_model_len: int) -> RocketKVSettings:
-    return resolve_settings(parse_config(json.loads(raw_json)), block_size=block_size,
-                            head_dim=head_dim, max_model_len=max_model_len)
+def _settings(
+    raw_json: str, block_size: int, head_dim: int, max_model_len: int
+) -> RocketKVSettings:
+    return resolve_settings(
+        parse_config(json.loads(raw_json)),
+        block_size=block_size,
+        head_dim=head_dim,
+        max_model_len=max_model_len,
+    )
 
 
 def settings_for(vllm_config) -> RocketKVSettings:
     """The ROCKETKV settings of the engine this config describes."""
     model_config = vllm_config.model_config
-    return _settings(json.dumps(raw_config(vllm_config), sort_keys=True),
-                     vllm_config.cache_config.block_size, model_config.get_head_size(),
-                     model_config.max_model_len)
+    return _settings(
+        json.dumps(raw_config(vllm_config), sort_keys=True),
+        vllm_config.cache_config.block_size,
+        model_config.get_head_size(),
+        model_config.max_model_len,
+    )
 
 
 def test_aids_for(vllm_config) -> TestAids:
@@ -119,19 +128,26 @@ def configure_engine(vllm_config) -> None:
     from vllm.platforms import current_platform
 
     if not cache_config.user_specified_block_size:
-        cache_config.block_size = (DEFAULT_CPU_BLOCK_SIZE if current_platform.is_cpu()
-                                   else DEFAULT_BLOCK_SIZE)
+        cache_config.block_size = (
+            DEFAULT_CPU_BLOCK_SIZE if current_platform.is_cpu() else DEFAULT_BLOCK_SIZE
+        )
 
     refusals = []
     if vllm_config.speculative_config is not None:
-        refusals.append("speculative decoding (drafts would be verified "
-                        "against a KV cache that eviction already changed)")
+        refusals.append(
+            "speculative decoding (drafts would be verified "
+            "against a KV cache that eviction already changed)"
+        )
     if getattr(cache_config, "kv_offloading_size", None) is not None:
-        refusals.append("KV cache offloading (kv_offloading_size: offloaded "
-                        "blocks would miss ROCKETKV's compaction and KT pages)")
+        refusals.append(
+            "KV cache offloading (kv_offloading_size: offloaded "
+            "blocks would miss ROCKETKV's compaction and KT pages)"
+        )
     elif vllm_config.kv_transfer_config is not None:
-        refusals.append("KV connectors / disaggregated prefill (a transferred "
-                        "cache would miss ROCKETKV's compaction and KT pages)")
+        refusals.append(
+            "KV connectors / disaggregated prefill (a transferred "
+            "cache would miss ROCKETKV's compaction and KT pages)"
+        )
     if model_config.rswa_window not in (None, RSWA_MARKER_WINDOW):
         refusals.append("models with reference sliding-window attention")
     if getattr(model_config.hf_text_config, "sliding_window", None):
@@ -144,17 +160,20 @@ def configure_engine(vllm_config) -> None:
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
         refusals.append("decode context parallelism")
     if refusals:
-        raise ValueError("ROCKETKV attention backend does not support: "
-                         + "; ".join(refusals))
+        raise ValueError("ROCKETKV attention backend does not support: " + "; ".join(refusals))
 
     settings = settings_for(vllm_config)
     test_aids_for(vllm_config)  # refuse bad test switches at startup too
 
-    if (settings.kernel == "triton" and not current_platform.is_cuda()
-            and os.environ.get("TRITON_INTERPRET") != "1"):
+    if (
+        settings.kernel == "triton"
+        and not current_platform.is_cuda()
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    ):
         raise ValueError(
             "rocketkv.kernel='triton' is invalid here: allowed on NVIDIA GPUs (or "
-            "with TRITON_INTERPRET=1 for testing); use 'auto' or 'torch'")
+            "with TRITON_INTERPRET=1 for testing); use 'auto' or 'torch'"
+        )
 
     model_config.model_arch_config.rswa_window = RSWA_MARKER_WINDOW
 
@@ -166,7 +185,11 @@ def configure_engine(vllm_config) -> None:
         logger.warning_once(
             "ROCKETKV: tensor_parallel_size=%d > %d KV heads: each replicated KV "
             "head selects tokens for its own rank's query heads only, so outputs "
-            "can differ from tensor_parallel_size <= %d.", tp, kv_heads, kv_heads)
+            "can differ from tensor_parallel_size <= %d.",
+            tp,
+            kv_heads,
+            kv_heads,
+        )
 
     if settings not in _logged_settings:
         _logged_settings.add(settings)
@@ -174,8 +197,12 @@ def configure_engine(vllm_config) -> None:
         logger.info(
             "ROCKETKV settings: %s; e.g. a %d-token prompt keeps %d tokens per KV "
             "head (top-k %d, top-r %d).",
-            settings.as_dict(), example.num_prompt_tokens, example.kept_tokens(),
-            example.topk, example.topr)
+            settings.as_dict(),
+            example.num_prompt_tokens,
+            example.kept_tokens(),
+            example.topk,
+            example.topr,
+        )
 
 
 def validated_backend_path(attn_selector_config) -> str:
@@ -188,11 +215,13 @@ def validated_backend_path(attn_selector_config) -> str:
 
     capability = current_platform.get_device_capability() or DeviceCapability(0, 0)
     reasons = RocketKVBackend.validate_configuration(
-        device_capability=capability, **attn_selector_config._asdict())
+        device_capability=capability, **attn_selector_config._asdict()
+    )
     if reasons:
         raise ValueError(
             f"ROCKETKV attention backend is not valid for this configuration "
-            f"({attn_selector_config}): {'; '.join(reasons)}")
+            f"({attn_selector_config}): {'; '.join(reasons)}"
+        )
     return BACKEND_PATH
 
 
@@ -216,17 +245,23 @@ def validate_request(vllm_config, params, resumable: bool) -> None:
         raise VLLMValidationError(
             "ROCKETKV attention backend does not support streaming input "
             "sessions (a live request's prompt would grow after its KV "
-            "cache was compressed)", parameter="prompt")
+            "cache was compressed)",
+            parameter="prompt",
+        )
     try:
         params_token_budget(params)
     except RocketKVConfigError as e:
         raise VLLMValidationError(
-            str(e), parameter=f"vllm_xargs.{REQUEST_BUDGET_KEY}",
-            value=params.extra_args[REQUEST_BUDGET_KEY]) from None
+            str(e),
+            parameter=f"vllm_xargs.{REQUEST_BUDGET_KEY}",
+            value=params.extra_args[REQUEST_BUDGET_KEY],
+        ) from None
     if current_platform.is_cpu() and getattr(params, "seed", None) is not None:
         raise VLLMValidationError(
             "ROCKETKV on vLLM's CPU build does not accept a per-request seed: "
             "vLLM's CPU model runner cannot rewind a seeded request's "
             "generator after a chunked prefill step and would stop the "
             "engine; drop `seed` (greedy decoding needs none)",
-            parameter="seed", value=params.seed)
+            parameter="seed",
+            value=params.seed,
+        )

@@ -69,13 +69,15 @@ class RocketKVAttentionSpec(FullAttentionSpec):
         if block_size == self.block_size:
             return self
         raise NotImplementedError(
-            "ROCKETKV keeps KT pages inside each block; splitting blocks is not supported")
+            "ROCKETKV keeps KT pages inside each block; splitting blocks is not supported"
+        )
 
 
 def make_rocketkv_spec(spec: AttentionSpec, settings: RocketKVSettings) -> AttentionSpec:
     if not isinstance(spec, FullAttentionSpec) or type(spec) is not FullAttentionSpec:
         raise NotImplementedError(
-            f"ROCKETKV supports full-attention layers only, got {type(spec).__name__}")
+            f"ROCKETKV supports full-attention layers only, got {type(spec).__name__}"
+        )
     if spec.block_size != settings.block_size:
         settings = replace(settings, block_size=spec.block_size)
     base = {f.name: getattr(spec, f.name) for f in fields(spec) if f.init}
@@ -135,8 +137,9 @@ def account_path(engine_index: int, frontend_pid: int | None = None) -> Path:
     process of the API server, so the scheduler names it by its parent
     process, the API server's stat logger by itself."""
     pid = os.getppid() if frontend_pid is None else frontend_pid
-    folder = Path(os.environ.get(ACCOUNT_DIR_ENV)
-                  or Path(tempfile.gettempdir()) / "rocketkv-accounts")
+    folder = Path(
+        os.environ.get(ACCOUNT_DIR_ENV) or Path(tempfile.gettempdir()) / "rocketkv-accounts"
+    )
     return folder / f"{_process_key(pid)}-engine{engine_index}.json"
 
 
@@ -182,15 +185,18 @@ class RocketKVManager(FullAttentionManager):
 
     # -- freeing ----------------------------------------------------------------
 
-    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
-                              num_prompt_tokens: int | None = None) -> None:
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
         # Only once the step that compacted the prompt has finished: the
         # backend reads every prompt block until then.
-        if (not self.settings.free_evicted_blocks or num_prompt_tokens is None
-                or processed_computed_tokens < num_prompt_tokens):
+        if (
+            not self.settings.free_evicted_blocks
+            or num_prompt_tokens is None
+            or processed_computed_tokens < num_prompt_tokens
+        ):
             return
-        start, end = self.plan_of(request_id, num_prompt_tokens).freed_block_range(
-            self.block_size)
+        start, end = self.plan_of(request_id, num_prompt_tokens).freed_block_range(self.block_size)
         if start < end:
             self._remove_blocks_in_range(request_id, start, end)
 
@@ -243,28 +249,43 @@ class RocketKVManager(FullAttentionManager):
         request = self._requests.get(request_id)
         if request is None or not num_hit_blocks:
             return 0
-        return min(self.plan_of_request(request).compact_blocks(self.block_size),
-                   num_hit_blocks)
+        return min(self.plan_of_request(request).compact_blocks(self.block_size), num_hit_blocks)
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks, total_computed_tokens: int,
-                                   num_local_computed_tokens: int, num_tokens_main_model: int,
-                                   apply_admission_cap: bool = False,
-                                   prefill_end: int = 0) -> int:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
         needed = super().get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-            num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
-            prefill_end)
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        )
         if request_id not in self.num_cached_block:
             needed += self._private_copies(request_id, len(new_computed_blocks))
         return needed
 
-    def add_local_computed_blocks(self, request_id: str, new_computed_blocks,
-                                  num_local_computed_tokens: int,
-                                  num_external_computed_tokens: int) -> None:
-        super().add_local_computed_blocks(request_id, new_computed_blocks,
-                                          num_local_computed_tokens,
-                                          num_external_computed_tokens)
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        super().add_local_computed_blocks(
+            request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens
+        )
         blocks = self.req_to_blocks[request_id]
         for j in range(self._private_copies(request_id, len(new_computed_blocks))):
             copy = self.block_pool.get_new_blocks(1)[0]
@@ -275,15 +296,17 @@ class RocketKVManager(FullAttentionManager):
                 self.new_block_ids.append(copy.block_id)
             self.prefix_account.private_copies += 1
 
-    def cache_blocks(self, request, num_tokens: int, retention_interval: int | None = None,
-                     *, replay_boundaries) -> None:
+    def cache_blocks(
+        self, request, num_tokens: int, retention_interval: int | None = None, *, replay_boundaries
+    ) -> None:
         plan = self.plan_of_request(request)
         rid = request.request_id
         if not plan.compress:
             before = self.num_cached_block.get(rid, 0)
-            super().cache_blocks(request, num_tokens, retention_interval,
-                                 replay_boundaries=replay_boundaries)
-            blocks = self.req_to_blocks[rid][before:self.num_cached_block.get(rid, 0)]
+            super().cache_blocks(
+                request, num_tokens, retention_interval, replay_boundaries=replay_boundaries
+            )
+            blocks = self.req_to_blocks[rid][before : self.num_cached_block.get(rid, 0)]
             self._hashed_this_step.update(b.block_id for b in blocks)
             return
         # Dense content only: never the targets (compacted into), the tail
@@ -297,11 +320,17 @@ class RocketKVManager(FullAttentionManager):
             if any(mask):
                 blocks = self.req_to_blocks[rid]
                 self.block_pool.cache_full_blocks(
-                    request=request, blocks=blocks,
-                    num_cached_blocks=num_cached, num_full_blocks=num_full, block_size=bs,
-                    kv_cache_group_id=self.kv_cache_group_id, block_mask=mask)
+                    request=request,
+                    blocks=blocks,
+                    num_cached_blocks=num_cached,
+                    num_full_blocks=num_full,
+                    block_size=bs,
+                    kv_cache_group_id=self.kv_cache_group_id,
+                    block_mask=mask,
+                )
                 self._hashed_this_step.update(
-                    b.block_id for b, m in zip(blocks[num_cached:num_full], mask) if m)
+                    b.block_id for b, m in zip(blocks[num_cached:num_full], mask) if m
+                )
             self.num_cached_block[rid] = num_full
         if targets and request.num_computed_tokens < plan.num_prompt_tokens <= num_tokens:
             self._to_preserve[rid] = (request, request.num_computed_tokens)
@@ -346,8 +375,13 @@ class RocketKVManager(FullAttentionManager):
             self._pending_cow_copies.append((blocks[j], block))
             placed[j] = block
         self.block_pool.cache_full_blocks(
-            request=request, blocks=placed, num_cached_blocks=0, num_full_blocks=targets,
-            block_size=bs, kv_cache_group_id=gid)
+            request=request,
+            blocks=placed,
+            num_cached_blocks=0,
+            num_full_blocks=targets,
+            block_size=bs,
+            kv_cache_group_id=gid,
+        )
         account.blocks_preserved += len(todo)
 
     def pop_blocks_for_free(self, request_id: str):
@@ -372,4 +406,5 @@ def register_kv_cache_spec() -> None:
     # empty, so fill it first or ours would be the only one.
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(
-        RocketKVAttentionSpec, RocketKVManager, uniform_type_base_spec=FullAttentionSpec)
+        RocketKVAttentionSpec, RocketKVManager, uniform_type_base_spec=FullAttentionSpec
+    )

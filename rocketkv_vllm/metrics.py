@@ -68,8 +68,7 @@ from rocketkv_vllm.requests import planned_budget
 logger = init_logger(f"vllm.{__name__}")
 
 METRIC_PREFIX = "rocketkv:"
-KEPT_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
-                         0.8, 0.9, 1.0)
+KEPT_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ATTENDED_BUCKETS = tuple(float(1 << i) for i in range(4, 18))  # 16 .. 131072
 
 # Attribute of vLLM's IterationStats where the output hook leaves what each
@@ -111,12 +110,10 @@ def account_prompt(settings: RocketKVSettings, plan: RequestPlan) -> PromptAccou
     kept = plan.prompt_budget
     start, end = plan.freed_block_range(settings.block_size)
     freed = end - start if settings.free_evicted_blocks else 0
-    return PromptAccount(plan.num_prompt_tokens, kept,
-                         plan.num_prompt_tokens - kept, max(freed, 0))
+    return PromptAccount(plan.num_prompt_tokens, kept, plan.num_prompt_tokens - kept, max(freed, 0))
 
 
-def decode_tokens_attended(settings: RocketKVSettings, plan: RequestPlan,
-                           seq_len: int) -> int:
+def decode_tokens_attended(settings: RocketKVSettings, plan: RequestPlan, seq_len: int) -> int:
     """Tokens per KV head Stage 2 attends in a decode step whose context
     (the step's own token included) is ``seq_len`` tokens long.
 
@@ -139,8 +136,7 @@ def remember_request(req_state, request) -> None:
         setattr(req_state, _BUDGET_ATTR, planned_budget(request.sampling_params))
 
 
-def record_output(req_state, engine_core_output, iteration_stats,
-                  was_prefilling: bool) -> None:
+def record_output(req_state, engine_core_output, iteration_stats, was_prefilling: bool) -> None:
     """Record, on the iteration's IterationStats, one fact per request output
     with its request's prompt length, generated-token count and budget
     (called by the ``OutputProcessor._update_stats_from_output`` wrapper).
@@ -155,9 +151,16 @@ def record_output(req_state, engine_core_output, iteration_stats,
     if num_new == 0:
         return
     outputs = iteration_stats.__dict__.setdefault(_OUTPUTS_ATTR, [])
-    outputs.append(RequestOutputFact(
-        req_state.request_id, req_state.prompt_len, was_prefilling, num_new,
-        req_state.stats.num_generation_tokens, getattr(req_state, _BUDGET_ATTR, None)))
+    outputs.append(
+        RequestOutputFact(
+            req_state.request_id,
+            req_state.prompt_len,
+            was_prefilling,
+            num_new,
+            req_state.stats.num_generation_tokens,
+            getattr(req_state, _BUDGET_ATTR, None),
+        )
+    )
 
 
 def unregister_rocketkv_metrics(registry=REGISTRY) -> None:
@@ -185,45 +188,68 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         def per_engine(metric):
             return {i: metric.labels(*labels[i]) for i in self.engine_indexes}
 
-        self.prompts_compressed = per_engine(Counter(
-            name="rocketkv:prompts_compressed",
-            documentation="Prompts compressed by ROCKETKV (longer than their "
-                          "budget), counted when their prefill completes.",
-            labelnames=labelnames))
-        self.tokens_evicted = per_engine(Counter(
-            name="rocketkv:prompt_tokens_evicted",
-            documentation="Prompt tokens evicted by ROCKETKV's Stage 1, per KV head.",
-            labelnames=labelnames))
-        self.blocks_freed = per_engine(Counter(
-            name="rocketkv:kv_blocks_freed",
-            documentation="KV cache blocks ROCKETKV gave back to vLLM's block "
-                          "pool after compressing prompts.",
-            labelnames=labelnames))
-        self.kept_fraction = per_engine(Histogram(
-            name="rocketkv:kept_fraction",
-            documentation="Kept / prompt tokens (per KV head) of each compressed "
-                          "prompt.",
-            labelnames=labelnames, buckets=KEPT_FRACTION_BUCKETS))
-        self.attended = per_engine(Histogram(
-            name="rocketkv:decode_tokens_attended",
-            documentation="Tokens per KV head attended by ROCKETKV's sparse decode "
-                          "(Stage 2), one sample per decode step of a compressed "
-                          "request (selected pages counted whole).",
-            labelnames=labelnames, buckets=ATTENDED_BUCKETS))
-        self.context = per_engine(Counter(
-            name="rocketkv:decode_context_tokens",
-            documentation="Context length (tokens) of the decode steps counted in "
-                          "rocketkv:decode_tokens_attended: what dense attention "
-                          "would read.",
-            labelnames=labelnames))
-        self.recomputed = per_engine(Counter(
-            name="rocketkv:prefix_tokens_recomputed",
-            documentation="Prompt tokens vLLM's prefix cache held that ROCKETKV "
-                          "recomputed: a compressed prompt's last window_size tokens, "
-                          "whose queries Stage 1 needs (beside vllm:prefix_cache_hits).",
-            labelnames=labelnames))
-        self._account_paths = {i: account_path(i, frontend_pid=os.getpid())
-                               for i in self.engine_indexes}
+        self.prompts_compressed = per_engine(
+            Counter(
+                name="rocketkv:prompts_compressed",
+                documentation="Prompts compressed by ROCKETKV (longer than their "
+                "budget), counted when their prefill completes.",
+                labelnames=labelnames,
+            )
+        )
+        self.tokens_evicted = per_engine(
+            Counter(
+                name="rocketkv:prompt_tokens_evicted",
+                documentation="Prompt tokens evicted by ROCKETKV's Stage 1, per KV head.",
+                labelnames=labelnames,
+            )
+        )
+        self.blocks_freed = per_engine(
+            Counter(
+                name="rocketkv:kv_blocks_freed",
+                documentation="KV cache blocks ROCKETKV gave back to vLLM's block "
+                "pool after compressing prompts.",
+                labelnames=labelnames,
+            )
+        )
+        self.kept_fraction = per_engine(
+            Histogram(
+                name="rocketkv:kept_fraction",
+                documentation="Kept / prompt tokens (per KV head) of each compressed prompt.",
+                labelnames=labelnames,
+                buckets=KEPT_FRACTION_BUCKETS,
+            )
+        )
+        self.attended = per_engine(
+            Histogram(
+                name="rocketkv:decode_tokens_attended",
+                documentation="Tokens per KV head attended by ROCKETKV's sparse decode "
+                "(Stage 2), one sample per decode step of a compressed "
+                "request (selected pages counted whole).",
+                labelnames=labelnames,
+                buckets=ATTENDED_BUCKETS,
+            )
+        )
+        self.context = per_engine(
+            Counter(
+                name="rocketkv:decode_context_tokens",
+                documentation="Context length (tokens) of the decode steps counted in "
+                "rocketkv:decode_tokens_attended: what dense attention "
+                "would read.",
+                labelnames=labelnames,
+            )
+        )
+        self.recomputed = per_engine(
+            Counter(
+                name="rocketkv:prefix_tokens_recomputed",
+                documentation="Prompt tokens vLLM's prefix cache held that ROCKETKV "
+                "recomputed: a compressed prompt's last window_size tokens, "
+                "whose queries Stage 1 needs (beside vllm:prefix_cache_hits).",
+                labelnames=labelnames,
+            )
+        )
+        self._account_paths = {
+            i: account_path(i, frontend_pid=os.getpid()) for i in self.engine_indexes
+        }
         for path in self._account_paths.values():  # engines may be killed
             atexit.register(remove_account, path)
         self._accounted: dict[int, int] = {}
@@ -232,12 +258,12 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             name="rocketkv:config_info",
             documentation="ROCKETKV settings of the engine (value 1).",
             labelnames=labelnames + sorted(info),
-            multiprocess_mode="mostrecent")
+            multiprocess_mode="mostrecent",
+        )
         for i in self.engine_indexes:
             info_gauge.labels(*labels[i], *(str(info[k]) for k in sorted(info))).set(1)
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-               engine_idx: int = 0):
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if not self.enabled:
             return
         if scheduler_stats is not None and engine_idx in self.recomputed:
@@ -259,7 +285,8 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             for g in range(max(first, 2), out.num_generated + 1):
                 seq_len = out.num_prompt_tokens + g - 1
                 self.attended[engine_idx].observe(
-                    decode_tokens_attended(self.settings, plan, seq_len))
+                    decode_tokens_attended(self.settings, plan, seq_len)
+                )
                 self.context[engine_idx].inc(seq_len)
 
     def _record_account(self, engine_idx: int) -> None:
@@ -276,8 +303,7 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             self.recomputed[engine_idx].inc(recomputed - seen)
         self._accounted[engine_idx] = recomputed
 
-    def _record_prompt(self, out: RequestOutputFact, plan: RequestPlan,
-                       engine_idx: int) -> None:
+    def _record_prompt(self, out: RequestOutputFact, plan: RequestPlan, engine_idx: int) -> None:
         acc = account_prompt(self.settings, plan)
         self.prompts_compressed[engine_idx].inc()
         self.tokens_evicted[engine_idx].inc(acc.evicted_tokens)
@@ -286,12 +312,22 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
         logger.debug(
             "ROCKETKV compressed request %s (engine %d): %d prompt tokens -> %d "
             "kept per KV head (%.1f%%), %d KV blocks freed, decode top-k %d "
-            "top-r %d", out.request_id, engine_idx, acc.num_prompt_tokens,
-            acc.kept_tokens, 100.0 * acc.kept_fraction, acc.blocks_freed,
-            plan.topk, plan.topr)
+            "top-r %d",
+            out.request_id,
+            engine_idx,
+            acc.num_prompt_tokens,
+            acc.kept_tokens,
+            100.0 * acc.kept_fraction,
+            acc.blocks_freed,
+            plan.topk,
+            plan.topr,
+        )
 
     def log_engine_initialized(self):
         if self.enabled:
-            logger.info("ROCKETKV metrics: rocketkv:* counters on /metrics "
-                        "(engines %s; scheduler accounts %s).", self.engine_indexes,
-                        sorted(str(p) for p in self._account_paths.values()))
+            logger.info(
+                "ROCKETKV metrics: rocketkv:* counters on /metrics "
+                "(engines %s; scheduler accounts %s).",
+                self.engine_indexes,
+                sorted(str(p) for p in self._account_paths.values()),
+            )

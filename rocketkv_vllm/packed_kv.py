@@ -27,18 +27,24 @@ class PackedKV:
         num_blocks, num_heads, block_size, width = kv_cache.shape
         d = width // 2
         if block_size % 32 or d % 16:
-            raise ValueError(f"AMX packing needs block_size % 32 == 0 and d % 16 == 0, "
-                             f"got block_size {block_size}, d {d}")
+            raise ValueError(
+                f"AMX packing needs block_size % 32 == 0 and d % 16 == 0, "
+                f"got block_size {block_size}, d {d}"
+            )
         outer = (kv_cache.stride(0), kv_cache.stride(1))
         offset = kv_cache.storage_offset()
         if kind == "k":
             self.packed = kv_cache.as_strided(
                 (num_blocks, num_heads, block_size // 16, d // 2, 16, 2),
-                (*outer, 16 * d, 32, 2, 1), offset)
+                (*outer, 16 * d, 32, 2, 1),
+                offset,
+            )
         elif kind == "v":
             self.packed = kv_cache.as_strided(
                 (num_blocks, num_heads, d // 16, block_size // 2, 16, 2),
-                (*outer, 16 * block_size, 32, 2, 1), offset + block_size * d)
+                (*outer, 16 * block_size, 32, 2, 1),
+                offset + block_size * d,
+            )
         else:
             raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
         self.kind = kind

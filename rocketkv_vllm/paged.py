@@ -49,8 +49,7 @@ def kt_row_bytes(head_dim: int, dtype: torch.dtype, kt_dtype: str) -> int:
     return 2 * head_dim * dtype.itemsize
 
 
-def kt_cache_view(kv_cache: torch.Tensor, page_size: int,
-                  kt_dtype: str = "auto") -> torch.Tensor:
+def kt_cache_view(kv_cache: torch.Tensor, page_size: int, kt_dtype: str = "auto") -> torch.Tensor:
     """The KT pages stored in the per-block padding behind ``kv_cache``:
     [num_blocks, Hkv, pages, 2d] in the cache dtype, or uint8
     [num_blocks, Hkv, pages, 2d + 16] fp8 rows (``algorithm.kt_fp8``)."""
@@ -79,8 +78,7 @@ def kt_bounds(kt_rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch
     return kt_rows[..., :head_dim], kt_rows[..., head_dim:]
 
 
-def kt_rows_of(kt_cache: torch.Tensor, kmin: torch.Tensor,
-               kmax: torch.Tensor) -> torch.Tensor:
+def kt_rows_of(kt_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """KT rows in ``kt_cache``'s format for min and max keys [..., d]."""
     if kt_cache.dtype == torch.uint8:
         return kt_fp8.encode_rows(kmin, kmax)
@@ -113,8 +111,7 @@ def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
         shape = (num_blocks, num_heads, block_size, d)
         offset = kv_cache.storage_offset()
         k = kv_cache.as_strided(shape, (block_stride, head_stride, 1, block_size), offset)
-        v = kv_cache.as_strided(shape, (block_stride, head_stride, d, 1),
-                                offset + block_size * d)
+        v = kv_cache.as_strided(shape, (block_stride, head_stride, d, 1), offset + block_size * d)
         return k, v
     if layout == "cpu_amx":
         # Tile-packed (CPU_ATTN's AMX kernels): per-token accessors, PyTorch only.
@@ -152,8 +149,9 @@ def prompt_keys(k_cache, block_row: torch.Tensor, n: int) -> torch.Tensor:
     laid out [Hkv, d, n], the operand of the window scores' matmul."""
     _, num_heads, block_size, d = k_cache.shape
     blocks = block_row[: -(-n // block_size)].long()
-    out = torch.empty(num_heads, d, len(blocks) * block_size, dtype=torch.float32,
-                      device=block_row.device)
+    out = torch.empty(
+        num_heads, d, len(blocks) * block_size, dtype=torch.float32, device=block_row.device
+    )
     whole = out.view(num_heads, d, len(blocks), block_size).permute(2, 0, 3, 1)
     if hasattr(k_cache, "read_blocks_into"):
         k_cache.read_blocks_into(blocks, whole)
@@ -316,8 +314,9 @@ def snapkv_compress(
         ops.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
         return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
     scores = ops.window_scores(q_window, k_cache, block_row, n, scale)
-    kept = keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
-                                      protect_from=min(n - window, tail_start))
+    kept = keep_positions_from_scores(
+        scores, n, prompt_budget, kernel_size, protect_from=min(n - window, tail_start)
+    )
     num_compact = prompt_budget - (n - tail_start)
     ops.compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
     ops.write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
@@ -352,8 +351,7 @@ def hsa_decode(
     page_lo = pos - pos % page_size
     write_kt_pages(k_cache, kt_cache, block_row, page_lo, seq_len, page_size)
 
-    starts = view_page_starts(num_compact, tail_start, seq_len, page_size,
-                              k_cache.device)
+    starts = view_page_starts(num_compact, tail_start, seq_len, page_size, k_cache.device)
     blocks, offsets = physical_slots(block_row, starts, block_size)
     kt_min, kt_max = kt_bounds(kt_cache[blocks, :, offsets // page_size], d)  # [P, Hkv, d]
     page_valid = torch.ones(starts.shape[0], dtype=torch.bool, device=starts.device)
@@ -364,8 +362,14 @@ def hsa_decode(
         # An extra page: the top-k pages come from the others.
         force = starts == page_lo
     selected = hsa_select_pages(
-        query, kt_min, kt_max, page_valid, topr,
-        pages_selected(topk, page_size), force, page_tokens,
+        query,
+        kt_min,
+        kt_max,
+        page_valid,
+        topr,
+        pages_selected(topk, page_size),
+        force,
+        page_tokens,
     )  # [Hkv, P]
 
     # Tokens of the view, page by page; slots past each region's end masked.

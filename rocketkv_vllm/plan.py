@@ -50,8 +50,9 @@ class BudgetSplit:
     topr: int
 
 
-def split_token_budget(token_budget: int, num_prompt_tokens: int, max_new_tokens: int,
-                       head_dim: int) -> BudgetSplit:
+def split_token_budget(
+    token_budget: int, num_prompt_tokens: int, max_new_tokens: int, head_dim: int
+) -> BudgetSplit:
     """SPEC §1 "budget split from one number", before any kernel rounding."""
     total = num_prompt_tokens + max_new_tokens
     c = max(1.0, total / token_budget)
@@ -109,8 +110,9 @@ class RequestPlan:
         return self.prompt_budget if self.compress else self.num_prompt_tokens
 
 
-def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
-                 token_budget: int | None = None) -> RequestPlan:
+def plan_request(
+    settings: RocketKVSettings, num_prompt_tokens: int, token_budget: int | None = None
+) -> RequestPlan:
     """The plan for a prompt of this length; ``token_budget`` is the
     request's own (``requests``): None keeps the engine's settings, 0 serves
     the request uncompressed, else the SPEC split of that budget at the
@@ -122,13 +124,13 @@ def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
     if token_budget is not None:
         settings = replace(settings, token_budget=token_budget)
     if settings.token_budget is not None:
-        split = split_token_budget(settings.token_budget, n, settings.max_new_tokens,
-                                   settings.head_dim)
+        split = split_token_budget(
+            settings.token_budget, n, settings.max_new_tokens, settings.head_dim
+        )
         prompt_budget = max(split.prompt_budget, settings.min_prompt_budget)
         topk = pages_selected(split.topk, settings.page_size) * settings.page_size
         # Channel count for the page size actually used, rounded to 16 lanes.
-        c2 = max(1.0, (split.prompt_budget + settings.max_new_tokens)
-                 / settings.token_budget)
+        c2 = max(1.0, (split.prompt_budget + settings.max_new_tokens) / settings.token_budget)
         topr = round(settings.head_dim * settings.page_size / c2 / 16) * 16
         topr = min(max(topr, 16), settings.head_dim)
     else:
@@ -142,8 +144,7 @@ def plan_request(settings: RocketKVSettings, num_prompt_tokens: int,
         # collects the window queries of a compressed prompt, so it must
         # also be longer than the window, as with eviction.)
         compress = n > max(topk, settings.window_size)
-        return RequestPlan(n, compress, n, topk, topr,
-                           tail_start if compress else 0, tail_start)
+        return RequestPlan(n, compress, n, topk, topr, tail_start if compress else 0, tail_start)
     compress = n > prompt_budget
     num_compact = prompt_budget - (n - tail_start) if compress else 0
     return RequestPlan(n, compress, prompt_budget, topk, topr, num_compact, tail_start)
@@ -161,8 +162,7 @@ class PlanCache:
         self.settings = settings
         self._plans: dict[tuple[int, int | None], RequestPlan] = {}
 
-    def __call__(self, num_prompt_tokens: int,
-                 token_budget: int | None = None) -> RequestPlan:
+    def __call__(self, num_prompt_tokens: int, token_budget: int | None = None) -> RequestPlan:
         key = (num_prompt_tokens, token_budget)
         plan = self._plans.get(key)
         if plan is None:
@@ -177,8 +177,7 @@ def max_topk(settings: RocketKVSettings) -> int:
     (a per-request budget may select more: ``budget_pages_selected``)."""
     if settings.token_budget is None:
         return settings.topk
-    return budget_pages_selected(settings.token_budget, settings.page_size) \
-        * settings.page_size
+    return budget_pages_selected(settings.token_budget, settings.page_size) * settings.page_size
 
 
 def budget_pages_selected(token_budget: int, page_size: int) -> int:
@@ -201,6 +200,6 @@ def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> Deco
     """Stage 2's launch shape for FULL CUDA graphs (``backend.graphs``): the
     most view pages any request can have, the engine's largest selection."""
     max_pages = max_view_pages(max_model_len, settings.page_size)
-    return DecodeGraphShape(rows, max_pages,
-                            min(pages_selected(max_topk(settings), settings.page_size),
-                                max_pages))
+    return DecodeGraphShape(
+        rows, max_pages, min(pages_selected(max_topk(settings), settings.page_size), max_pages)
+    )

@@ -27,7 +27,8 @@ def _register_backend() -> None:
     if custom.is_overridden() and custom.get_path() != BACKEND_PATH:
         raise RuntimeError(
             f"ROCKETKV needs vLLM's CUSTOM attention backend slot, but it is taken "
-            f"by {custom.get_path()}")
+            f"by {custom.get_path()}"
+        )
     register_backend(custom, BACKEND_PATH)
 
 

@@ -29,11 +29,15 @@ def request_token_budget(extra_args: dict[str, Any] | None) -> int | None:
         return None
     value = extra_args[REQUEST_BUDGET_KEY]
     lo, hi = BUDGET_RANGE
-    if (isinstance(value, bool) or not isinstance(value, int)
-            or not (value == 0 or lo <= value <= hi)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (value == 0 or lo <= value <= hi)
+    ):
         raise RocketKVConfigError(
             f"vllm_xargs.{REQUEST_BUDGET_KEY}={value!r} is invalid: allowed 0 "
-            f"(this request uncompressed) or an integer in [{lo}, {hi}]")
+            f"(this request uncompressed) or an integer in [{lo}, {hi}]"
+        )
     return value
 
 

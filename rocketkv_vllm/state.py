@@ -64,8 +64,7 @@ class WorkerRequests:
                 continue
             self.by_slot[slot] = planned_budget(new.sampling_params)
             if slot >= self._prompt_lens.size:
-                grown = np.full(max(2 * self._prompt_lens.size, slot + 1), -1,
-                                dtype=np.int64)
+                grown = np.full(max(2 * self._prompt_lens.size, slot + 1), -1, dtype=np.int64)
                 grown[: self._prompt_lens.size] = self._prompt_lens
                 self._prompt_lens = grown
             self._prompt_lens[slot] = new.prompt_len
@@ -98,8 +97,9 @@ class Counters:
     prompt_tokens_evicted: int = 0  # per KV head
     decode_tokens_compressed: int = 0  # Stage 2 tokens (all layers count once)
     stage1_seconds: float = 0.0  # all layers, only with ROCKETKV_TIMING=1
-    timing: bool = field(default_factory=lambda: os.environ.get(
-        "ROCKETKV_TIMING", "0") not in ("", "0"), repr=False)
+    timing: bool = field(
+        default_factory=lambda: os.environ.get("ROCKETKV_TIMING", "0") not in ("", "0"), repr=False
+    )
 
     def as_dict(self) -> dict:
         d = asdict(self)

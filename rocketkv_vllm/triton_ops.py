@@ -113,13 +113,44 @@ def hsa_decode_batch(
     """
     if update_kt:
         kt_update(k_cache, kt_cache, block_table, seq_lens, page_size)
-    probs = hsa_page_probs(query, kt_cache, block_table, num_compact, tail_start,
-                           seq_lens, topr, page_size, max_pages, force_current_page)
-    sel = select_pages(probs, max_select, num_compact, tail_start, seq_lens, topk,
-                       page_size, select_impl, force_current_page)
-    return sparse_decode(query, k_cache, v_cache, block_table, sel, num_compact, tail_start,
-                         seq_lens, topk, page_size, scale, out=out,
-                         extra_pages=1 if force_current_page else 0)
+    probs = hsa_page_probs(
+        query,
+        kt_cache,
+        block_table,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topr,
+        page_size,
+        max_pages,
+        force_current_page,
+    )
+    sel = select_pages(
+        probs,
+        max_select,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topk,
+        page_size,
+        select_impl,
+        force_current_page,
+    )
+    return sparse_decode(
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        sel,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topk,
+        page_size,
+        scale,
+        out=out,
+        extra_pages=1 if force_current_page else 0,
+    )
 
 
 def hsa_decode_batch_reference(
@@ -147,8 +178,18 @@ def hsa_decode_batch_reference(
         if seq <= 0:
             continue
         out[b] = paged.hsa_decode(
-            query[b], k_cache, v_cache, kt_cache, block_table[b], int(num_compact[b]),
-            int(tail_start[b]), seq, int(topk[b]), int(topr[b]), page_size,
-            scale, force_current_page,
+            query[b],
+            k_cache,
+            v_cache,
+            kt_cache,
+            block_table[b],
+            int(num_compact[b]),
+            int(tail_start[b]),
+            seq,
+            int(topk[b]),
+            int(topr[b]),
+            page_size,
+            scale,
+            force_current_page,
         )
     return out

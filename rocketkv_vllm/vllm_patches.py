@@ -96,11 +96,11 @@ def _output_add_request(original):
 
 
 def _update_stats_from_output(original):
-    def _update_stats_from_output(self, req_state, engine_core_output,
-                                  engine_core_timestamp, iteration_stats):
+    def _update_stats_from_output(
+        self, req_state, engine_core_output, engine_core_timestamp, iteration_stats
+    ):
         was_prefilling = req_state.is_prefilling
-        original(self, req_state, engine_core_output, engine_core_timestamp,
-                 iteration_stats)
+        original(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)
         from rocketkv_vllm.metrics import record_output
 
         record_output(req_state, engine_core_output, iteration_stats, was_prefilling)
@@ -182,22 +182,40 @@ def _v2_add_requests(original):
 
 def _v1_batch_execution(original):
     @functools.wraps(original)
-    def _determine_batch_execution_and_padding(self, num_tokens, num_reqs,
-                                               num_scheduled_tokens_np,
-                                               max_num_scheduled_tokens, *args, **kwargs):
+    def _determine_batch_execution_and_padding(
+        self,
+        num_tokens,
+        num_reqs,
+        num_scheduled_tokens_np,
+        max_num_scheduled_tokens,
+        *args,
+        **kwargs,
+    ):
         from rocketkv_vllm.state import existing_worker_state
 
         state = existing_worker_state(self.vllm_config)
         guard = None if state is None else state.graph_guard
-        if (guard is not None and kwargs.get("force_uniform_decode") is None
-                and max_num_scheduled_tokens == 1 and num_reqs > 0):
+        if (
+            guard is not None
+            and kwargs.get("force_uniform_decode") is None
+            and max_num_scheduled_tokens == 1
+            and num_reqs > 0
+        ):
             batch = self.input_batch
-            prefilling = (batch.num_computed_tokens_cpu[:num_reqs]
-                          < batch.num_prompt_tokens[:num_reqs])
+            prefilling = (
+                batch.num_computed_tokens_cpu[:num_reqs] < batch.num_prompt_tokens[:num_reqs]
+            )
             if guard.needs_eager(prefilling, state.requests.rows[:num_reqs]):
                 kwargs["force_uniform_decode"] = False
-        return original(self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                        max_num_scheduled_tokens, *args, **kwargs)
+        return original(
+            self,
+            num_tokens,
+            num_reqs,
+            num_scheduled_tokens_np,
+            max_num_scheduled_tokens,
+            *args,
+            **kwargs,
+        )
 
     return _determine_batch_execution_and_padding
 
@@ -239,58 +257,128 @@ _V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("vllm.platforms", "<platform>", "check_and_update_config",
-          ("cls", "vllm_config"), _check_and_update_config,
-          "validate and adjust ROCKETKV engines at startup (engine.configure_engine)",
-          classmethod=True),
-    Patch("vllm.platforms", "<platform>", "get_attn_backend_cls",
-          ("cls", "selected_backend", "attn_selector_config", "num_heads"),
-          _get_attn_backend_cls,
-          "honour an explicit ROCKETKV choice on every platform (CPU would always "
-          "pick CPU_ATTN), after vLLM's own backend checks naming ROCKETKV",
-          classmethod=True),
-    Patch("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs",
-          ("self", "request_id", "prompt", "params", "supported_tasks"), _process_inputs,
-          "refuse per request what ROCKETKV cannot serve (engine.validate_request)",
-          exact=False),
-    Patch("vllm.v1.engine.output_processor", "OutputProcessor", "add_request",
-          ("self", "request"), _output_add_request,
-          "remember each request's own budget for the metrics", exact=False),
-    Patch("vllm.v1.engine.output_processor", "OutputProcessor", "_update_stats_from_output",
-          ("self", "req_state", "engine_core_output", "engine_core_timestamp",
-           "iteration_stats"), _update_stats_from_output,
-          "one fact per request output for the rocketkv:* metrics (metrics)"),
-    Patch("vllm.v1.core.kv_cache_manager", "KVCacheManager", "get_computed_blocks",
-          ("self", "request"), _get_computed_blocks,
-          "let ROCKETKV's block manager see each request it will allocate for, and "
-          "keep a compressed prompt's window out of its prefix hit (kv_cache)"),
-    Patch("vllm.v1.core.sched.scheduler", "Scheduler", "_reserve_prefill_lookahead",
-          ("self", "request", "num_computed_tokens", "num_new_tokens"),
-          _reserve_prefill_lookahead,
-          "end a compressed prompt's chunk before its last one holds a compaction "
-          "target, so the target reaches the prefix cache (kv_cache)"),
-    Patch("vllm.v1.core.sched.scheduler", "Scheduler", "make_stats", ("self",),
-          _make_stats,
-          "publish the scheduler's prefix-cache account for the API server's "
-          "rocketkv:* metrics, with vLLM's own scheduler stats (kv_cache, metrics)",
-          exact=False),
-    Patch(_V1_RUNNER, "GPUModelRunner", "_update_states", ("self", "scheduler_output"),
-          _v1_update_states, "each batch row's own budget (V1 runner, state)"),
-    Patch(_V2_RUNNER, "GPUModelRunner", "add_requests", ("self", "scheduler_output"),
-          _v2_add_requests,
-          "each request slot's own budget and prompt length (Model Runner V2, state)"),
-    Patch(_V1_RUNNER, "GPUModelRunner", "_determine_batch_execution_and_padding",
-          ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
-           "max_num_scheduled_tokens"), _v1_batch_execution,
-          "keep steps a FULL CUDA graph cannot run off FULL graphs (backend.graphs)",
-          exact=False),
-    Patch(_V2_RUNNER, "GPUModelRunner", "gather_batch_req_state",
-          ("self", "scheduler_output", "dummy_run"), _v2_gather_batch_req_state,
-          "keep steps a FULL CUDA graph cannot run off FULL graphs (backend.graphs)"),
-    Patch(_V1_RUNNER, "GPUModelRunner", "get_kv_cache_spec", ("self",), _get_kv_cache_spec,
-          "build ROCKETKV's KV cache spec with the engine's config current"),
-    Patch(_V2_RUNNER, "GPUModelRunner", "get_kv_cache_spec", ("self",), _get_kv_cache_spec,
-          "build ROCKETKV's KV cache spec with the engine's config current"),
+    Patch(
+        "vllm.platforms",
+        "<platform>",
+        "check_and_update_config",
+        ("cls", "vllm_config"),
+        _check_and_update_config,
+        "validate and adjust ROCKETKV engines at startup (engine.configure_engine)",
+        classmethod=True,
+    ),
+    Patch(
+        "vllm.platforms",
+        "<platform>",
+        "get_attn_backend_cls",
+        ("cls", "selected_backend", "attn_selector_config", "num_heads"),
+        _get_attn_backend_cls,
+        "honour an explicit ROCKETKV choice on every platform (CPU would always "
+        "pick CPU_ATTN), after vLLM's own backend checks naming ROCKETKV",
+        classmethod=True,
+    ),
+    Patch(
+        "vllm.v1.engine.input_processor",
+        "InputProcessor",
+        "process_inputs",
+        ("self", "request_id", "prompt", "params", "supported_tasks"),
+        _process_inputs,
+        "refuse per request what ROCKETKV cannot serve (engine.validate_request)",
+        exact=False,
+    ),
+    Patch(
+        "vllm.v1.engine.output_processor",
+        "OutputProcessor",
+        "add_request",
+        ("self", "request"),
+        _output_add_request,
+        "remember each request's own budget for the metrics",
+        exact=False,
+    ),
+    Patch(
+        "vllm.v1.engine.output_processor",
+        "OutputProcessor",
+        "_update_stats_from_output",
+        ("self", "req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats"),
+        _update_stats_from_output,
+        "one fact per request output for the rocketkv:* metrics (metrics)",
+    ),
+    Patch(
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager",
+        "get_computed_blocks",
+        ("self", "request"),
+        _get_computed_blocks,
+        "let ROCKETKV's block manager see each request it will allocate for, and "
+        "keep a compressed prompt's window out of its prefix hit (kv_cache)",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "_reserve_prefill_lookahead",
+        ("self", "request", "num_computed_tokens", "num_new_tokens"),
+        _reserve_prefill_lookahead,
+        "end a compressed prompt's chunk before its last one holds a compaction "
+        "target, so the target reaches the prefix cache (kv_cache)",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "make_stats",
+        ("self",),
+        _make_stats,
+        "publish the scheduler's prefix-cache account for the API server's "
+        "rocketkv:* metrics, with vLLM's own scheduler stats (kv_cache, metrics)",
+        exact=False,
+    ),
+    Patch(
+        _V1_RUNNER,
+        "GPUModelRunner",
+        "_update_states",
+        ("self", "scheduler_output"),
+        _v1_update_states,
+        "each batch row's own budget (V1 runner, state)",
+    ),
+    Patch(
+        _V2_RUNNER,
+        "GPUModelRunner",
+        "add_requests",
+        ("self", "scheduler_output"),
+        _v2_add_requests,
+        "each request slot's own budget and prompt length (Model Runner V2, state)",
+    ),
+    Patch(
+        _V1_RUNNER,
+        "GPUModelRunner",
+        "_determine_batch_execution_and_padding",
+        ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"),
+        _v1_batch_execution,
+        "keep steps a FULL CUDA graph cannot run off FULL graphs (backend.graphs)",
+        exact=False,
+    ),
+    Patch(
+        _V2_RUNNER,
+        "GPUModelRunner",
+        "gather_batch_req_state",
+        ("self", "scheduler_output", "dummy_run"),
+        _v2_gather_batch_req_state,
+        "keep steps a FULL CUDA graph cannot run off FULL graphs (backend.graphs)",
+    ),
+    Patch(
+        _V1_RUNNER,
+        "GPUModelRunner",
+        "get_kv_cache_spec",
+        ("self",),
+        _get_kv_cache_spec,
+        "build ROCKETKV's KV cache spec with the engine's config current",
+    ),
+    Patch(
+        _V2_RUNNER,
+        "GPUModelRunner",
+        "get_kv_cache_spec",
+        ("self",),
+        _get_kv_cache_spec,
+        "build ROCKETKV's KV cache spec with the engine's config current",
+    ),
 )
 
 # Parameters a wrapper uses beyond the leading ones in ``params``.
@@ -340,8 +428,7 @@ def _install_one(patch: Patch) -> None:
     replacement = patch.wrap(current)
     setattr(replacement, _MARK, True)
     replacement.__wrapped__ = current
-    setattr(owner, patch.name,
-            classmethod(replacement) if patch.classmethod else replacement)
+    setattr(owner, patch.name, classmethod(replacement) if patch.classmethod else replacement)
 
 
 def alias_backend_name() -> None:
@@ -374,7 +461,8 @@ def require() -> None:
         raise RuntimeError(
             f"ROCKETKV cannot run on vLLM {vllm.__version__}: it wraps vLLM methods "
             f"that are not what it was written for ({lines}). This ROCKETKV release "
-            "supports vLLM 0.32.")
+            "supports vLLM 0.32."
+        )
 
 
 def installed(patch: Patch) -> bool:

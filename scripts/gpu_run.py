@@ -51,10 +51,10 @@ import gpu_e2e  # noqa: E402  (standard library at import time)
 import gpu_plan  # noqa: E402
 
 TAG = "h200"
-STOP_MARGIN_S = 10    # the last call stops the worker this long before its own limit
+STOP_MARGIN_S = 10  # the last call stops the worker this long before its own limit
 POLL_S = 0.5
 RUNNER_STEPS = ("e2e-flash", "e2e-rocketkv", "e2e-fp8", "e2e-piecewise", "serve", "e2e-bench")
-LOG_CAP = 1 << 20     # bytes of each log kept in gpu-check.log (head 64 KiB + tail)
+LOG_CAP = 1 << 20  # bytes of each log kept in gpu-check.log (head 64 KiB + tail)
 
 
 def now() -> float:
@@ -99,13 +99,13 @@ class State:
 
     def __init__(self, base: str, dry: bool):
         self.base, self.dry = base, dry
-        self.stage = os.path.join(base, "stage")          # the recipe's STAGE
+        self.stage = os.path.join(base, "stage")  # the recipe's STAGE
         self.mstage = os.path.join(base, "stage-model")
-        self.site = os.path.join(base, "site")            # the recipe's SITE
-        self.rkv = os.path.join(base, "rkv-site")         # our package, importable
+        self.site = os.path.join(base, "site")  # the recipe's SITE
+        self.rkv = os.path.join(base, "rkv-site")  # our package, importable
         self.model = os.path.join(base, "smollm2")
-        self.work = os.path.join(base, "work")            # raw engine outputs
-        self.out = os.path.join(base, "out")              # results to return
+        self.work = os.path.join(base, "work")  # raw engine outputs
+        self.out = os.path.join(base, "out")  # results to return
         self.logs = os.path.join(base, "logs")
         for d in (self.stage, self.mstage, self.work, self.out, self.logs):
             os.makedirs(d, exist_ok=True)
@@ -119,15 +119,19 @@ class State:
     def have(self) -> set[str]:
         """The payloads fully staged: "bundle", "model"."""
         got = set()
-        for what, d, key in (("bundle", self.stage, "BUNDLE_INFO"),
-                             ("model", self.mstage, "MODEL_INFO")):
+        for what, d, key in (
+            ("bundle", self.stage, "BUNDLE_INFO"),
+            ("model", self.mstage, "MODEL_INFO"),
+        ):
             p = os.path.join(d, key)
             if not os.path.exists(p):
                 continue
             info = read_info(p)
             n = int(info.get("NPARTS") or info.get("NPIECES") or 0)
-            if n and all(os.path.exists(os.path.join(d, f"{info['PREFIX']}.{i:02d}"))
-                         for i in range(1, n + 1)):
+            if n and all(
+                os.path.exists(os.path.join(d, f"{info['PREFIX']}.{i:02d}"))
+                for i in range(1, n + 1)
+            ):
                 got.add(what)
         return got
 
@@ -170,9 +174,15 @@ def make_shim(st: State, py: str) -> None:
 def step_env(st: State, with_vllm: bool) -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     if st.dry:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = st.rkv + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -180,8 +190,9 @@ def step_env(st: State, with_vllm: bool) -> dict:
     env_sh = os.path.join(st.site, ".bundle", "env.sh")
     if with_vllm and os.path.exists(env_sh):
         # the recipe's `export PYTHONPATH=/tmp/site${PYTHONPATH:+:...} ...` line, applied by bash
-        r = subprocess.run(["bash", "-c", f'. "{env_sh}" && env -0'], env=env,
-                           capture_output=True, timeout=30)
+        r = subprocess.run(
+            ["bash", "-c", f'. "{env_sh}" && env -0'], env=env, capture_output=True, timeout=30
+        )
         if r.returncode == 0:
             env = dict(kv.split("=", 1) for kv in r.stdout.decode().split("\0") if "=" in kv)
     return env
@@ -194,42 +205,104 @@ def command_for(name: str, st: State, py: str, timeout: int) -> tuple[list[str],
     s = gpu_plan.step(name)
     if name == "kernels":
         tb = max(30, min(timeout - 60, s.est_s - 10))
-        argv = [py, os.path.join(ROOT, "scripts/bench_kernels.py"), "--time-budget", str(tb),
-                "--out", out(f"kernels-{TAG}.json")]
+        argv = [
+            py,
+            os.path.join(ROOT, "scripts/bench_kernels.py"),
+            "--time-budget",
+            str(tb),
+            "--out",
+            out(f"kernels-{TAG}.json"),
+        ]
         return (argv + ["--smoke"] if st.dry else argv), False
     if name == "kernels-fa":
         tb = max(15, timeout - 30)
-        argv = [py, os.path.join(ROOT, "scripts/bench_kernels.py"), "--methods",
-                "dense_flash_attn,dense_triton_attn,dense_own", "--stage1-context", "0",
-                "--time-budget", str(tb), "--out", out(f"kernels-fa-{TAG}.json")]
+        argv = [
+            py,
+            os.path.join(ROOT, "scripts/bench_kernels.py"),
+            "--methods",
+            "dense_flash_attn,dense_triton_attn,dense_own",
+            "--stage1-context",
+            "0",
+            "--time-budget",
+            str(tb),
+            "--out",
+            out(f"kernels-fa-{TAG}.json"),
+        ]
         return (argv + ["--smoke"] if st.dry else argv), True
     if name == "install":
-        if st.dry:   # the CUDA wheels cannot install here: check the archive instead
+        if st.dry:  # the CUDA wheels cannot install here: check the archive instead
             return [py, __file__, "check-bundle", "--state", st.base], False
-        return ["env", f"STAGE={st.stage}", f"SITE={st.site}", f"PY={py}", "bash",
-                os.path.join(st.stage, "tools", "install.sh")], False
+        return [
+            "env",
+            f"STAGE={st.stage}",
+            f"SITE={st.site}",
+            f"PY={py}",
+            "bash",
+            os.path.join(st.stage, "tools", "install.sh"),
+        ], False
     if name == "model":
         return [py, __file__, "model-step", "--state", st.base, "--python", py], False
     if name.startswith("e2e-") and name != "e2e-bench":
-        argv = [py, os.path.join(HERE, "gpu_e2e.py"), "engine", name[4:], "--model", st.model,
-                "--work", st.work]
+        argv = [
+            py,
+            os.path.join(HERE, "gpu_e2e.py"),
+            "engine",
+            name[4:],
+            "--model",
+            st.model,
+            "--work",
+            st.work,
+        ]
         return (argv + ["--dry-run"] if st.dry else argv), True
     if name == "serve":
-        argv = [py, os.path.join(HERE, "gpu_e2e.py"), "serve", "--model", st.model,
-                "--out", out(f"checks-{TAG}.json"), "--log",
-                os.path.join(st.logs, "serve-server.log"),
-                "--pid-file", os.path.join(st.base, "serve.pid"),
-                "--ready-timeout", str(max(30, timeout - 40))]
+        argv = [
+            py,
+            os.path.join(HERE, "gpu_e2e.py"),
+            "serve",
+            "--model",
+            st.model,
+            "--out",
+            out(f"checks-{TAG}.json"),
+            "--log",
+            os.path.join(st.logs, "serve-server.log"),
+            "--pid-file",
+            os.path.join(st.base, "serve.pid"),
+            "--ready-timeout",
+            str(max(30, timeout - 40)),
+        ]
         return (argv + ["--dry-run"] if st.dry else argv), True
     if name == "e2e-bench":
-        argv = [py, os.path.join(ROOT, "scripts/bench_e2e.py"), "--model", st.model,
-                "--prompts", "8", "--prompt-tokens", "7000", "--new-tokens", "128",
-                "--methods", "dense,token_budget=256", "--kv-cache-gib", "8",
-                "--out", out(f"e2e-{TAG}.json")]
+        argv = [
+            py,
+            os.path.join(ROOT, "scripts/bench_e2e.py"),
+            "--model",
+            st.model,
+            "--prompts",
+            "8",
+            "--prompt-tokens",
+            "7000",
+            "--new-tokens",
+            "128",
+            "--methods",
+            "dense,token_budget=256",
+            "--kv-cache-gib",
+            "8",
+            "--out",
+            out(f"e2e-{TAG}.json"),
+        ]
         return (argv[:2] + ["--help"] if st.dry else argv), True
     if name == "tests":
-        argv = [py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--noconftest",
-                os.path.join(ROOT, "tests/test_kernels.py")]
+        argv = [
+            py,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+            os.path.join(ROOT, "tests/test_kernels.py"),
+        ]
         if st.dry:
             return argv + ["--co"], False
         return argv + ["-n", "8"], False
@@ -256,8 +329,12 @@ def environment() -> dict:
     """The card as nvidia-smi reads it, and this interpreter (for results/)."""
     env = {"python": sys.version.split()[0]}
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=15)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         if r.returncode == 0 and r.stdout.strip():
             env["nvidia_smi"] = r.stdout.strip().splitlines()[0]
     except (OSError, subprocess.TimeoutExpired):
@@ -269,8 +346,15 @@ def environment() -> dict:
 class Worker:
     """Runs the steps (see the module docstring). ``steps``/``command`` can be replaced (tests)."""
 
-    def __init__(self, st: State, py: str, steps=None, command=None, compare=None,
-                 parallel: int | None = None):
+    def __init__(
+        self,
+        st: State,
+        py: str,
+        steps=None,
+        command=None,
+        compare=None,
+        parallel: int | None = None,
+    ):
         self.st, self.py = st, py
         self.steps = list(steps or gpu_plan.STEPS)
         self.command = command or (lambda name, timeout: command_for(name, st, py, timeout))
@@ -281,7 +365,7 @@ class Worker:
         self.running: dict[str, dict] = {}
         self.result: dict[str, str] = {}
         self.attempts: dict[str, list] = {s.name: [] for s in self.steps}
-        self.v1: set[str] = set()        # steps to run (again) with VLLM_USE_V2_MODEL_RUNNER=0
+        self.v1: set[str] = set()  # steps to run (again) with VLLM_USE_V2_MODEL_RUNNER=0
         self.preempted: set[str] = set()
         self.events: list[str] = []
         self.environment = environment()
@@ -296,8 +380,11 @@ class Worker:
         for s in list(self.pending):
             p = prev.get(s.name, {})
             if keep is not None and s.name not in keep:
-                self.result[s.name] = "ok" if p.get("status") == "ok" else \
-                    f"not run ({p.get('status', 'not in GPU_CHECK_STEPS')})"
+                self.result[s.name] = (
+                    "ok"
+                    if p.get("status") == "ok"
+                    else f"not run ({p.get('status', 'not in GPU_CHECK_STEPS')})"
+                )
             elif keep is None and p.get("status") == "ok":
                 self.result[s.name] = "ok"
             else:
@@ -321,12 +408,23 @@ class Worker:
             status = self.result.get(s.name)
             if s.name in self.running:
                 status = "running"
-            steps[s.name] = {"status": status or "pending", "attempts": self.attempts[s.name],
-                             "writes": s.writes}
-        write_json(self.st.summary, {
-            "worker": state, "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "deadline_in_s": round(c.get("deadline", now()) - now()), "calls": c.get("calls", []),
-            "environment": self.environment, "steps": steps, "events": self.events[-200:]})
+            steps[s.name] = {
+                "status": status or "pending",
+                "attempts": self.attempts[s.name],
+                "writes": s.writes,
+            }
+        write_json(
+            self.st.summary,
+            {
+                "worker": state,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "deadline_in_s": round(c.get("deadline", now()) - now()),
+                "calls": c.get("calls", []),
+                "environment": self.environment,
+                "steps": steps,
+                "events": self.events[-200:],
+            },
+        )
 
     # -- one step
     def start(self, s: gpu_plan.Step, timeout: int) -> None:
@@ -335,21 +433,36 @@ class Worker:
         v1 = s.name in self.v1
         if v1:
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        log_path = os.path.join(self.st.logs, f"{len(self.events):03d}-{s.name}"
-                                f"{'-v1' if v1 else ''}.log")
+        log_path = os.path.join(
+            self.st.logs, f"{len(self.events):03d}-{s.name}{'-v1' if v1 else ''}.log"
+        )
         logf = open(log_path, "w")
         v1_note = ", VLLM_USE_V2_MODEL_RUNNER=0" if v1 else ""
         logf.write(f"$ {' '.join(argv)}\n(timeout {timeout} s{v1_note})\n")
         logf.flush()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
-                                stderr=subprocess.STDOUT, env=env,
-                                cwd=self.st.rkv if os.path.isdir(self.st.rkv) else None,
-                                start_new_session=True)
-        self.running[s.name] = {"step": s, "proc": proc, "t0": now(), "timeout": timeout,
-                                "log": log_path, "logf": logf, "v1": v1}
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=self.st.rkv if os.path.isdir(self.st.rkv) else None,
+            start_new_session=True,
+        )
+        self.running[s.name] = {
+            "step": s,
+            "proc": proc,
+            "t0": now(),
+            "timeout": timeout,
+            "log": log_path,
+            "logf": logf,
+            "v1": v1,
+        }
         self.save_groups()
-        self.say(f"start {s.name} (timeout {timeout} s{', model runner V1' if v1 else ''}): "
-                 f"{' '.join(argv)}")
+        self.say(
+            f"start {s.name} (timeout {timeout} s{', model runner V1' if v1 else ''}): "
+            f"{' '.join(argv)}"
+        )
 
     def kill(self, names: list[str], why: str, grace: float = 6.0) -> None:
         """SIGTERM the steps' process groups (a server step stops its server on it), SIGKILL
@@ -372,17 +485,22 @@ class Worker:
 
     def save_groups(self) -> None:
         """The running steps' process groups, so a worker after this one can end them."""
-        write_json(os.path.join(self.st.base, "groups.json"),
-                   {n: r["proc"].pid for n, r in self.running.items()})
+        write_json(
+            os.path.join(self.st.base, "groups.json"),
+            {n: r["proc"].pid for n, r in self.running.items()},
+        )
 
     def end_orphans(self) -> None:
         """Steps a worker that died (SIGKILL) left running in their own sessions."""
         for name, pgid in (read_json(os.path.join(self.st.base, "groups.json"), {}) or {}).items():
-            try:   # only a group whose leader is still that step (pids get reused)
+            try:  # only a group whose leader is still that step (pids get reused)
                 with open(f"/proc/{int(pgid)}/cmdline", "rb") as f:
                     cmdline = f.read().decode(errors="replace")
-                ours = (os.path.join(ROOT, "scripts") + os.sep,
-                        os.path.join(ROOT, "tests") + os.sep, self.st.base)
+                ours = (
+                    os.path.join(ROOT, "scripts") + os.sep,
+                    os.path.join(ROOT, "tests") + os.sep,
+                    self.st.base,
+                )
                 if not any(m in cmdline for m in ours):
                     continue
                 os.killpg(int(pgid), signal.SIGKILL)
@@ -415,8 +533,13 @@ class Worker:
         else:
             status = f"FAIL (exit {rc})"
         runner = attempt_runner(name, self.st, r["v1"]) if uses_runner(name) else None
-        att = {"status": status, "rc": rc, "s": dt, "timeout_s": r["timeout"],
-               "log": os.path.basename(r["log"])}
+        att = {
+            "status": status,
+            "rc": rc,
+            "s": dt,
+            "timeout_s": r["timeout"],
+            "log": os.path.basename(r["log"]),
+        }
         if runner:
             att["runner"] = runner
         self.attempts[name].append(att)
@@ -452,9 +575,14 @@ class Worker:
                 os.replace(raw, os.path.join(self.st.work, f"{name[4:]}-v2.json"))
             checks = os.path.join(self.st.out, f"checks-{TAG}.json")
             data = read_json(checks, {}) or {}
-            failed = {f"{key} [model runner V2]": c for key, c in data.items()
-                      if isinstance(c, dict) and name in c.get("blame", [])
-                      and c.get("status") == "FAIL" and "[" not in key}
+            failed = {
+                f"{key} [model runner V2]": c
+                for key, c in data.items()
+                if isinstance(c, dict)
+                and name in c.get("blame", [])
+                and c.get("status") == "FAIL"
+                and "[" not in key
+            }
             if failed:
                 gpu_e2e.merge_out(checks, failed)
         s = next(x for x in self.steps if x.name == name)
@@ -462,14 +590,23 @@ class Worker:
         if s not in self.pending:
             self.pending.append(s)
             self.pending.sort(key=self.steps.index)
-        self.say(f"{name} failed under model runner V2 (recorded): retrying once with "
-                 "VLLM_USE_V2_MODEL_RUNNER=0")
+        self.say(
+            f"{name} failed under model runner V2 (recorded): retrying once with "
+            "VLLM_USE_V2_MODEL_RUNNER=0"
+        )
 
     def run_compare(self, name: str) -> set[str]:
         """Recompute the checks; the steps blamed for a FAIL involving ``name``."""
         checks = os.path.join(self.st.out, f"checks-{TAG}.json")
-        argv = [self.py, os.path.join(HERE, "gpu_e2e.py"), "compare", "--work", self.st.work,
-                "--out", checks]
+        argv = [
+            self.py,
+            os.path.join(HERE, "gpu_e2e.py"),
+            "compare",
+            "--work",
+            self.st.work,
+            "--out",
+            checks,
+        ]
         try:
             r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
             for line in (r.stdout + r.stderr).splitlines()[-12:]:
@@ -480,8 +617,12 @@ class Worker:
         data = read_json(checks, {})
         blamed = set()
         for key, c in data.items():
-            if isinstance(c, dict) and c.get("status") == "FAIL" and "[" not in key and \
-                    name in c.get("blame", []):
+            if (
+                isinstance(c, dict)
+                and c.get("status") == "FAIL"
+                and "[" not in key
+                and name in c.get("blame", [])
+            ):
                 blamed |= set(c["blame"])
         return {b for b in blamed if self.result.get(b) is not None}
 
@@ -513,8 +654,12 @@ class Worker:
                 self.summary("stopped")
                 return 0
             start, preempt, drop = gpu_plan.pick(
-                self.pending, [r["step"] for r in self.running.values()], self.st.have(),
-                self.result, final)
+                self.pending,
+                [r["step"] for r in self.running.values()],
+                self.st.have(),
+                self.result,
+                final,
+            )
             for s in preempt:
                 self.kill([s.name], "preempted")
                 self.finish(s.name)
@@ -534,8 +679,12 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001
                     self.result[s.name] = f"FAIL (could not start: {exc})"[:200]
                     self.say(f"{s.name}: could not start: {exc}")
-            if start or drop or preempt or any(r["proc"].poll() is not None
-                                               for r in self.running.values()):
+            if (
+                start
+                or drop
+                or preempt
+                or any(r["proc"].poll() is not None for r in self.running.values())
+            ):
                 self.summary()
             if not self.pending and not self.running:
                 self.say("all steps ended")
@@ -547,13 +696,16 @@ class Worker:
 # ---------------------------------------------------------------- the model step
 def model_step(st: State, py: str) -> int:
     """Reassemble the staged model payload, check its sha256, unpack, rebuild the HF model."""
-    if os.path.exists(os.path.join(st.model, ".rocketkv-complete")) and \
-            os.path.exists(os.path.join(st.model, "model.safetensors")):
+    if os.path.exists(os.path.join(st.model, ".rocketkv-complete")) and os.path.exists(
+        os.path.join(st.model, "model.safetensors")
+    ):
         print(f"model-step: {st.model} already built")
         return 0
     info = read_info(os.path.join(st.mstage, "MODEL_INFO"))
-    pieces = [os.path.join(st.mstage, f"{info['PREFIX']}.{i:02d}")
-              for i in range(1, int(info["NPIECES"]) + 1)]
+    pieces = [
+        os.path.join(st.mstage, f"{info['PREFIX']}.{i:02d}")
+        for i in range(1, int(info["NPIECES"]) + 1)
+    ]
     h = hashlib.sha256()
     for p in pieces:
         with open(p, "rb") as f:
@@ -578,16 +730,25 @@ def model_step(st: State, py: str) -> int:
     if rc or cat.returncode:
         print("model-step: unpacking failed")
         return 1
-    return subprocess.run([py, os.path.join(HERE, "gpu_model.py"), "rebuild",
-                           os.path.join(x, "smollm2.gguf"), os.path.join(x, "smollm2-meta.tar.xz"),
-                           st.model]).returncode
+    return subprocess.run(
+        [
+            py,
+            os.path.join(HERE, "gpu_model.py"),
+            "rebuild",
+            os.path.join(x, "smollm2.gguf"),
+            os.path.join(x, "smollm2-meta.tar.xz"),
+            st.model,
+        ]
+    ).returncode
 
 
 def check_bundle(st: State) -> int:
     """Dry run: the staged bundle chunks reassemble to the archive's sha256, and xz reads it."""
     info = read_info(os.path.join(st.stage, "BUNDLE_INFO"))
-    chunks = [os.path.join(st.stage, f"{info['PREFIX']}.{i:02d}")
-              for i in range(1, int(info["NPARTS"]) + 1)]
+    chunks = [
+        os.path.join(st.stage, f"{info['PREFIX']}.{i:02d}")
+        for i in range(1, int(info["NPARTS"]) + 1)
+    ]
     h = hashlib.sha256()
     xz = subprocess.Popen(["xz", "-t"], stdin=subprocess.PIPE)
     for c in chunks:
@@ -599,9 +760,11 @@ def check_bundle(st: State) -> int:
     rc = xz.wait()
     got = h.hexdigest()
     ok = got == info["SHA256"] and rc == 0
-    print(f"check-bundle: {len(chunks)} chunks, sha256 {got[:16]} "
-          f"{'==' if got == info['SHA256'] else '!='} {info['SHA256'][:16]}, xz -t rc {rc}: "
-          f"{'ok' if ok else 'BAD'} (dry run: install.sh not run)")
+    print(
+        f"check-bundle: {len(chunks)} chunks, sha256 {got[:16]} "
+        f"{'==' if got == info['SHA256'] else '!='} {info['SHA256'][:16]}, xz -t rc {rc}: "
+        f"{'ok' if ok else 'BAD'} (dry run: install.sh not run)"
+    )
     return 0 if ok else 1
 
 
@@ -610,10 +773,11 @@ class Call:
     def __init__(self, dry: bool):
         self.dry = dry
         self.t0 = now()
-        base = os.environ.get("GPU_CHECK_STATE") or ("/tmp/gpu-check-dry" if dry else
-                                                     "/tmp/gpu-check")
+        base = os.environ.get("GPU_CHECK_STATE") or (
+            "/tmp/gpu-check-dry" if dry else "/tmp/gpu-check"
+        )
         if dry and os.environ.get("GPU_CHECK_CARRY") == "t1" and os.path.isdir(base):
-            shutil.rmtree(base)   # a rehearsal's first call: a fresh machine
+            shutil.rmtree(base)  # a rehearsal's first call: a fresh machine
         self.st = State(base, dry)
         self.py = os.environ.get("PYTHON") or sys.executable
         self.out = os.environ.get("OUT") or os.path.join(base, "returned")
@@ -648,9 +812,12 @@ class Call:
         for f in glob.glob(os.path.join(d, "tools", "*.sh")):
             shutil.copy(f, tools)
         for p in sorted(glob.glob(os.path.join(d, "parts[0-9]*"))):
-            r = subprocess.run(["bash", os.path.join(tools, "stage.sh"), p],
-                               env=dict(os.environ, STAGE=self.st.stage),
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                ["bash", os.path.join(tools, "stage.sh"), p],
+                env=dict(os.environ, STAGE=self.st.stage),
+                capture_output=True,
+                text=True,
+            )
             for line in (r.stdout + r.stderr).strip().splitlines():
                 self.say("  " + line)
             ok &= r.returncode == 0
@@ -670,14 +837,14 @@ class Call:
         return ok
 
     def worker_alive(self) -> bool:
-        if self.proc is not None:          # started by this call: its child
+        if self.proc is not None:  # started by this call: its child
             return self.proc.poll() is None
         pid = read_json(self.st.pid)
         if not isinstance(pid, int):
             return False
         try:
             os.kill(pid, 0)
-            with open(f"/proc/{pid}/stat") as f:     # an exited worker nobody reaped yet
+            with open(f"/proc/{pid}/stat") as f:  # an exited worker nobody reaped yet
                 return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
         except OSError:
             return False
@@ -722,8 +889,10 @@ class Call:
         start_left = os.environ.get("GPU_START_LEFT")
         control = read_json(st.control, {}) or {}
         dry = " (DRY RUN, CPU)" if self.dry else ""
-        self.say(f"call {call or '(rerun)'} of {ncalls or '?'}{dry}; state {st.base}; "
-                 f"out {self.out}; GPU_BUDGET_LEFT={budget} GPU_START_LEFT={start_left}")
+        self.say(
+            f"call {call or '(rerun)'} of {ncalls or '?'}{dry}; state {st.base}; "
+            f"out {self.out}; GPU_BUDGET_LEFT={budget} GPU_START_LEFT={start_left}"
+        )
         if start_left is None:
             start_left = control.get("start_left", budget)
         if budget is None:
@@ -731,18 +900,28 @@ class Call:
             if control.get("first"):
                 f = control["first"]
                 est = gpu_plan.Estimates.from_env()
-                budget = f["budget_left"] - est.start_s - (now() - f["command_at"]) - \
-                    est.transfer_s(sends[call - 1] if call else 0)
-                self.say(f"WARNING: GPU_BUDGET_LEFT not given: estimated {budget:.0f} s from "
-                         "the first call (give the status budget_left_s)")
+                budget = (
+                    f["budget_left"]
+                    - est.start_s
+                    - (now() - f["command_at"])
+                    - est.transfer_s(sends[call - 1] if call else 0)
+                )
+                self.say(
+                    f"WARNING: GPU_BUDGET_LEFT not given: estimated {budget:.0f} s from "
+                    "the first call (give the status budget_left_s)"
+                )
             else:
                 budget = start_left or 900
-                self.say(f"WARNING: GPU_BUDGET_LEFT not given: assuming {budget} s (a drawn "
-                         "task's 15 minutes); give the status budget_left_s")
+                self.say(
+                    f"WARNING: GPU_BUDGET_LEFT not given: assuming {budget} s (a drawn "
+                    "task's 15 minutes); give the status budget_left_s"
+                )
         budget, start_left = float(budget), float(start_left or budget)
         if call > 1 and fresh:
-            self.say(f"WARNING: a fresh machine (nothing staged before): t1..t{call - 1} are not "
-                     "here (the machine went back between calls?); carry them again")
+            self.say(
+                f"WARNING: a fresh machine (nothing staged before): t1..t{call - 1} are not "
+                "here (the machine went back between calls?); carry them again"
+            )
         for _, d, _ in new:
             self.say(f"staging {os.path.relpath(d, ROOT)}")
             ok = self.stage(d)
@@ -761,26 +940,39 @@ class Call:
         limit = gpu_plan.call_limit(call, n, budget, start_left, sends, est, since)
         rel = gpu_plan.deadline_in(call, n, budget, start_left, sends, est, since)
         deadline = self.t0 + rel - (STOP_MARGIN_S if final else 0)
-        calls = control.get("calls", []) + [{"call": call, "at": time.strftime("%H:%M:%S"),
-                                             "budget_left": budget, "limit_s": limit,
-                                             "since_last_call_s": since,
-                                             "staged": sorted(have), "final": final}]
+        calls = control.get("calls", []) + [
+            {
+                "call": call,
+                "at": time.strftime("%H:%M:%S"),
+                "budget_left": budget,
+                "limit_s": limit,
+                "since_last_call_s": since,
+                "staged": sorted(have),
+                "final": final,
+            }
+        ]
         control.update(deadline=deadline, final=final, start_left=start_left, calls=calls)
         control.setdefault("first", {"budget_left": budget, "command_at": self.t0})
         write_json(st.control, control)
         if os.path.exists(st.stop):
             os.remove(st.stop)
-        self.say(f"staged: {', '.join(sorted(have)) or 'nothing complete yet'}; this call's limit "
-                 f"{limit} s, the worker's deadline in {deadline - now():.0f} s"
-                 f"{'; last call' if final else ''}")
+        self.say(
+            f"staged: {', '.join(sorted(have)) or 'nothing complete yet'}; this call's limit "
+            f"{limit} s, the worker's deadline in {deadline - now():.0f} s"
+            f"{'; last call' if final else ''}"
+        )
         make_shim(st, self.py)
         if not self.worker_alive():
             logf = open(os.path.join(st.logs, "01-worker.log"), "a")
-            proc = subprocess.Popen([self.py, __file__, "worker", "--state", st.base] +
-                                    (["--dry-run"] if self.dry else []),
-                                    stdin=subprocess.DEVNULL, stdout=logf,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=st.base)
+            proc = subprocess.Popen(
+                [self.py, __file__, "worker", "--state", st.base]
+                + (["--dry-run"] if self.dry else []),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=st.base,
+            )
             write_json(st.pid, proc.pid)
             self.proc = proc
             self.say(f"worker started (pid {proc.pid}, its own session)")
@@ -821,13 +1013,17 @@ class Call:
     def print_summary(self, short: bool = False) -> int:
         s = read_json(self.st.summary, {}) or {}
         steps = s.get("steps", {})
-        print(f"\n== GPU check summary (worker {s.get('worker', '?')}, "
-              f"{now() - self.t0:.0f}s in this call)", flush=True)
+        print(
+            f"\n== GPU check summary (worker {s.get('worker', '?')}, "
+            f"{now() - self.t0:.0f}s in this call)",
+            flush=True,
+        )
         bad = 0
         for name, v in steps.items():
             att = v.get("attempts", [])
-            extra = "; ".join(f"{a.get('runner', '')} {a['status']} {a.get('s')}s".strip()
-                              for a in att)
+            extra = "; ".join(
+                f"{a.get('runner', '')} {a['status']} {a.get('s')}s".strip() for a in att
+            )
             print(f"  {name:14} {v['status']:34} {extra}")
             bad += v["status"].startswith("FAIL")
         checks = read_json(os.path.join(self.st.out, f"checks-{TAG}.json"), {}) or {}
@@ -863,7 +1059,7 @@ def main(argv=None) -> int:
     st = State(a.state, a.dry_run)
     py = os.environ.get("PYTHON") or sys.executable
     write_json(st.pid, os.getpid())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # stop the steps too (below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the steps too (below)
     w = Worker(st, py)
     try:
         return w.run()

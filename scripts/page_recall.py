@@ -15,9 +15,6 @@ the current page.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
 
 
 def main() -> None:
@@ -34,8 +31,8 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from rocketkv_eval import tasks as eval_tasks
-    from rocketkv_vllm.algorithm.hsa import hsa_select_pages
     from rocketkv_eval.model import prepare_default_model
+    from rocketkv_vllm.algorithm.hsa import hsa_select_pages
 
     path = prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -52,6 +49,7 @@ def main() -> None:
     def keep_inputs(i):
         def hook(module, a, kw):
             inputs[i] = (kw["hidden_states"], kw["position_embeddings"])
+
         return hook
 
     for i, layer in enumerate(model.model.layers):
@@ -77,12 +75,14 @@ def main() -> None:
         for pos in range(prompt_len - 1, n):
             query, keys = q[0, :, pos], k[0, :, : pos + 1].transpose(0, 1)
             seen = pos + 1
-            probs = (torch.einsum("kgd,tkd->kgt", query.view(hkv, hq // hkv, d), keys)
-                     * d**-0.5).softmax(-1)
+            probs = (
+                torch.einsum("kgd,tkd->kgt", query.view(hkv, hq // hkv, d), keys) * d**-0.5
+            ).softmax(-1)
             for ps in page_sizes:
                 pages = -(-seen // ps)
                 padded = torch.nn.functional.pad(
-                    keys, (0, 0, 0, 0, 0, pages * ps - seen), value=float("nan"))
+                    keys, (0, 0, 0, 0, 0, pages * ps - seen), value=float("nan")
+                )
                 padded = padded.view(pages, ps, hkv, d)
                 kmin = torch.where(padded.isnan(), torch.inf, padded).amin(1)
                 kmax = torch.where(padded.isnan(), -torch.inf, padded).amax(1)
@@ -90,20 +90,31 @@ def main() -> None:
                 tokens[-1] = seen - (pages - 1) * ps
                 for topk in topks:
                     selected = hsa_select_pages(
-                        query, kmin, kmax, torch.ones(pages, dtype=torch.bool), d,
-                        max(topk // ps, 1), None, tokens)
+                        query,
+                        kmin,
+                        kmax,
+                        torch.ones(pages, dtype=torch.bool),
+                        d,
+                        max(topk // ps, 1),
+                        None,
+                        tokens,
+                    )
                     mask = selected.repeat_interleave(ps, 1)[:, :seen]
                     held = (probs * mask[:, None, :]).sum(-1).min().item()
                     key = (ps, topk, pos - prompt_len + 1)
                     recall.setdefault(key, []).append(held)
                     current[key] = current.get(key, 0) + int(selected[:, -1].all())
     layers = len(model.model.layers)
-    print(f"{'page':>4} {'topk':>5} {'step':>4} {'recall min':>10} {'mean':>6} "
-          f"{'current page chosen':>20}")
+    print(
+        f"{'page':>4} {'topk':>5} {'step':>4} {'recall min':>10} {'mean':>6} "
+        f"{'current page chosen':>20}"
+    )
     for key in sorted(recall):
         vals = recall[key]
-        print(f"{key[0]:4d} {key[1]:5d} {key[2]:4d} {min(vals):10.3f} "
-              f"{sum(vals) / len(vals):6.3f} {current[key]:>13d} of {layers}")
+        print(
+            f"{key[0]:4d} {key[1]:5d} {key[2]:4d} {min(vals):10.3f} "
+            f"{sum(vals) / len(vals):6.3f} {current[key]:>13d} of {layers}"
+        )
 
 
 if __name__ == "__main__":

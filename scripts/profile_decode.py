@@ -45,11 +45,19 @@ def main() -> None:
 
     model = args.model or prepare_default_model()
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [build_needle_prompt(tok, args.length, 0.5, seed=i).token_ids
-               for i in range(args.num_prompts)]
+    prompts = [
+        build_needle_prompt(tok, args.length, 0.5, seed=i).token_ids
+        for i in range(args.num_prompts)
+    ]
     new_tokens = 5 + args.steps + args.profile_steps + 5
-    kw = dict(model=model, dtype=args.dtype, max_model_len=args.length + new_tokens + 64,
-              enable_prefix_caching=False, max_num_batched_tokens=2048, seed=0)
+    kw = dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.length + new_tokens + 64,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=2048,
+        seed=0,
+    )
     if torch.cuda.is_available():
         kw["gpu_memory_utilization"] = 0.5
     else:
@@ -71,8 +79,9 @@ def main() -> None:
             torch.cuda.synchronize()
 
     start, steps = time.perf_counter(), 0
-    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                   for r in scheduler.running):
+    while scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+    ):
         engine.step()
         steps += 1
     sync()

@@ -35,15 +35,20 @@ ROCKETKV = {"token_budget": 128, "max_new_tokens": 16}
 def greedy_tokens(model: str, prompts, executor: str | None, tp: int) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=model, attention_backend="ROCKETKV", tensor_parallel_size=tp,
-              max_model_len=1100, enforce_eager=True, seed=0,
-              additional_config={"rocketkv": ROCKETKV})
+    kw = dict(
+        model=model,
+        attention_backend="ROCKETKV",
+        tensor_parallel_size=tp,
+        max_model_len=1100,
+        enforce_eager=True,
+        seed=0,
+        additional_config={"rocketkv": ROCKETKV},
+    )
     if executor is not None:
         kw["distributed_executor_backend"] = executor
     llm = LLM(**kw)
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
-                            use_tqdm=False)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -72,8 +77,7 @@ def main() -> int:
     one = greedy_tokens(model, prompts, None, args.tp)
     ray = greedy_tokens(model, prompts, "ray", args.tp)
     same = one == ray
-    result = {"tp": args.tp, "executor": "ray", "prompts": len(prompts),
-              "same_greedy_tokens": same}
+    result = {"tp": args.tp, "executor": "ray", "prompts": len(prompts), "same_greedy_tokens": same}
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

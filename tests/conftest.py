@@ -32,8 +32,9 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def make_llm(model_path: str, backend: str, rocketkv: dict | None = None,
-             testing: dict | None = None, **kw):
+def make_llm(
+    model_path: str, backend: str, rocketkv: dict | None = None, testing: dict | None = None, **kw
+):
     """A real engine; ``testing``: ROCKETKV's test aids (config.TestAids)."""
     from vllm import LLM
 

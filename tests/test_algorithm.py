@@ -31,8 +31,9 @@ def _slow_window_scores(q_win, keys, scale):
         kvh = h // g
         for i in range(w):
             pos = n - w + i
-            logits = [float(q_win[i, h].double() @ keys[j, kvh].double()) * scale
-                      for j in range(pos + 1)]
+            logits = [
+                float(q_win[i, h].double() @ keys[j, kvh].double()) * scale for j in range(pos + 1)
+            ]
             m = max(logits)
             ex = [math.exp(x - m) for x in logits]
             z = sum(ex)
@@ -78,7 +79,7 @@ def test_keep_positions_are_the_top_pooled_plus_protected(n, w, hkv, g, d, prote
     for h in range(hkv):
         row = kept[h].tolist()
         assert row == sorted(set(row)), "sorted, no duplicates"
-        assert row[-(n - protect_from):] == list(range(protect_from, n))
+        assert row[-(n - protect_from) :] == list(range(protect_from, n))
         chosen = set(row) - set(range(protect_from, n))
         others = set(range(protect_from)) - chosen
         assert len(chosen) == budget - (n - protect_from)
@@ -108,13 +109,14 @@ def _slow_hsa(q, pmin, pmax, valid, topr, num_pages, tokens=None):
                 if not valid[page]:
                     scores.append(float("-inf"))
                     continue
-                s = sum(float(qg[c]) * float((pmax if sg else pmin)[page, kvh, c])
-                        for c, sg in zip(chans, sign))
+                s = sum(
+                    float(qg[c]) * float((pmax if sg else pmin)[page, kvh, c])
+                    for c, sg in zip(chans, sign)
+                )
                 scores.append(s / tau)
             m = max(scores)
             ex = [math.exp(x - m) if x != float("-inf") else 0.0 for x in scores]
-            z = sum(e * (1 if tokens is None else int(tokens[j]))
-                    for j, e in enumerate(ex))
+            z = sum(e * (1 if tokens is None else int(tokens[j])) for j, e in enumerate(ex))
             avg += torch.tensor(ex, dtype=torch.float64) / z / g
         n_valid = int(valid.sum())
         if n_valid <= num_pages:
@@ -125,7 +127,9 @@ def _slow_hsa(q, pmin, pmax, valid, topr, num_pages, tokens=None):
     return selected
 
 
-@pytest.mark.parametrize("hkv,g,d,topr", [(1, 1, 64, 64), (3, 3, 64, 16), (2, 4, 128, 32), (1, 8, 64, 7)])
+@pytest.mark.parametrize(
+    "hkv,g,d,topr", [(1, 1, 64, 64), (3, 3, 64, 16), (2, 4, 128, 32), (1, 8, 64, 7)]
+)
 def test_hsa_page_selection_matches_loops(hkv, g, d, topr):
     torch.manual_seed(hkv * 100 + g)
     p = 23
@@ -182,28 +186,27 @@ def _reference_token_probs(q, keys, page_size, topr):
         sign = torch.where(qf[h].sum(0) > 0, 1.0, -1.0)
         chans = qf[h].abs().sum(0).topk(topr).indices
         kh = keys[:, h].double() * sign  # max of sign * k = bound in q's direction
-        chunk_max = torch.stack([kh[i:i + page_size].amax(0)
-                                 for i in range(0, t, page_size)])
+        chunk_max = torch.stack([kh[i : i + page_size].amax(0) for i in range(0, t, page_size)])
         per_token = chunk_max.repeat_interleave(page_size, 0)[:t]
         probs = []
         for gi in range(g):
             q_hat = (qf[h, gi] * sign)[chans]
             s = per_token[:, chans] @ q_hat
-            tau = math.sqrt(d * float(qf[h, gi, chans].abs().sum())
-                            / float(qf[h, gi].abs().sum()))
+            tau = math.sqrt(d * float(qf[h, gi, chans].abs().sum()) / float(qf[h, gi].abs().sum()))
             probs.append(torch.softmax(s / tau, 0))
         out[h] = torch.stack(probs).mean(0)
     return out
 
 
-@pytest.mark.parametrize("hkv,g,d,ps,topr", [(1, 4, 64, 4, 16), (3, 3, 64, 2, 64),
-                                              (2, 2, 32, 8, 8), (1, 1, 64, 4, 64)])
+@pytest.mark.parametrize(
+    "hkv,g,d,ps,topr", [(1, 4, 64, 4, 16), (3, 3, 64, 2, 64), (2, 2, 32, 8, 8), (1, 1, 64, 4, 64)]
+)
 def test_page_probs_reproduce_the_reference_token_softmax(hkv, g, d, ps, topr):
     """Token-count weighting makes the page probability equal the reference's
     per-token probability (a partly filled last page included), so a top-k
     over pages picks what the reference's top-k over tokens picks."""
     gen = torch.Generator().manual_seed(hkv * 10 + ps)
-    for trial in range(6):
+    for _trial in range(6):
         t = int(torch.randint(3 * ps + 1, 12 * ps, (1,), generator=gen))
         keys = torch.randn(t, hkv, d, generator=gen) * 2
         q = torch.randn(hkv * g, d, generator=gen)

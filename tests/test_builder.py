@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rocketkv_vllm import batched, paged
+from rocketkv_vllm import paged
 from rocketkv_vllm.plan import plan_request
 
 BS = 16
@@ -34,14 +34,20 @@ def _make_builder(model_path, rocketkv: dict, max_model_len: int, testing=None):
     if testing:
         extra["rocketkv_testing"] = testing
     cfg = EngineArgs(
-        model=model_path, attention_backend="ROCKETKV", dtype="float32",
-        max_model_len=max_model_len, enforce_eager=True, additional_config=extra,
+        model=model_path,
+        attention_backend="ROCKETKV",
+        dtype="float32",
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        additional_config=extra,
     ).create_engine_config()
     with set_current_vllm_config(cfg):
-        spec = RocketKVBackend.customize_spec(FullAttentionSpec(
-            block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32))
-        return RocketKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg,
-                                       torch.device("cpu"))
+        spec = RocketKVBackend.customize_spec(
+            FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+        )
+        return RocketKVMetadataBuilder(
+            spec, ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu")
+        )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +63,13 @@ class Lens(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.tolist,
-                    torch.Tensor.item, torch.Tensor.__int__):
+        if func in (
+            torch.Tensor.cpu,
+            torch.Tensor.to,
+            torch.Tensor.tolist,
+            torch.Tensor.item,
+            torch.Tensor.__int__,
+        ):
             Lens.reads += 1
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -77,9 +88,14 @@ def _cm(rows, block_table, prompt_lens="v2", req_idx=None):
             lens = lens.as_subclass(Lens)
     n = int(qsl[-1])
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq,
-        seq_lens_cpu_upper_bound=seq.clone(), num_reqs=len(rows),
-        num_actual_tokens=n, max_query_len=max(q_lens), max_seq_len=int(seq.max()),
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq,
+        seq_lens_cpu_upper_bound=seq.clone(),
+        num_reqs=len(rows),
+        num_actual_tokens=n,
+        max_query_len=max(q_lens),
+        max_seq_len=int(seq.max()),
         block_table_tensor=block_table[: len(rows)],
         slot_mapping=torch.zeros(n, dtype=torch.int64),
         rswa_prefix_lens=lens,
@@ -93,8 +109,7 @@ def _block_table(num_reqs):
 
 def test_capture_and_dummy_batches_without_prompt_lengths_are_dense(builder):
     # V2's make_dummy / capture: prompt lengths None, no request slots.
-    md = builder.build(0, _cm([(3000, 1, 3000), (0, 8, 8)], _block_table(2),
-                              prompt_lens=None))
+    md = builder.build(0, _cm([(3000, 1, 3000), (0, 8, 8)], _block_table(2), prompt_lens=None))
     assert md.native is not None
     assert md.decode is None and not md.stage1_rows and not md.recompute
 
@@ -108,8 +123,11 @@ def _v2_new_requests(builder, slots_and_lengths, budgets=None):
     for i, (slot, n) in enumerate(slots_and_lengths):
         budget = None if budgets is None else budgets[i]
         args = None if budget is None else {"rocketkv_token_budget": budget}
-        new.append(SimpleNamespace(req_id=f"q{slot}", prompt_len=n,
-                                   sampling_params=SimpleNamespace(extra_args=args)))
+        new.append(
+            SimpleNamespace(
+                req_id=f"q{slot}", prompt_len=n, sampling_params=SimpleNamespace(extra_args=args)
+            )
+        )
         index[f"q{slot}"] = slot
     builder.state.requests.v2_add(SimpleNamespace(scheduled_new_reqs=new), index)
 
@@ -126,8 +144,9 @@ def test_v2_never_reads_prompt_lengths_from_the_device(builder):
     # Step 1: a compressed request decoding, a short one decoding, a long
     # prompt's first chunk (all three slots new to the builder).
     _v2_new_requests(builder, [(5, 3000), (2, 100), (7, 5000)])
-    md = builder.build(0, _cm([(3000, 1, 3000), (119, 1, 100), (0, 512, 5000)],
-                              table, req_idx=[5, 2, 7]))
+    md = builder.build(
+        0, _cm([(3000, 1, 3000), (119, 1, 100), (0, 512, 5000)], table, req_idx=[5, 2, 7])
+    )
     plan = plan_request(s, 3000)
     assert plan.compress and not plan_request(s, 100).compress
     assert md.decode is not None
@@ -142,19 +161,18 @@ def test_v2_never_reads_prompt_lengths_from_the_device(builder):
 
     # Step 2: same requests, no new one. The device tensor holds nonsense:
     # a builder that read it would plan differently.
-    md = builder.build(0, _cm([(3001, 1, 0), (120, 1, 0), (512, 512, 0)],
-                              table, req_idx=[5, 2, 7]))
+    md = builder.build(0, _cm([(3001, 1, 0), (120, 1, 0), (512, 512, 0)], table, req_idx=[5, 2, 7]))
     assert md.decode.seq_lens.tolist() == [3002]
 
     # Step 3: the long prompt's last chunk (Stage 1 and its window), and
     # slot 5 reused by a new short request whose first chunk starts after a
     # prefix-cache hit of 32 tokens: planned afresh.
     _v2_new_requests(builder, [(5, 72)])
-    md = builder.build(0, _cm([(32, 40, 0), (121, 1, 100), (4608, 392, 5000)],
-                              table, req_idx=[5, 2, 7]))
+    md = builder.build(
+        0, _cm([(32, 40, 0), (121, 1, 100), (4608, 392, 5000)], table, req_idx=[5, 2, 7])
+    )
     assert md.decode is None
-    assert [(r.q_start, r.q_end, r.context_len) for r in md.stage1_rows] == [
-        (41, 433, 4608)]
+    assert [(r.q_start, r.q_end, r.context_len) for r in md.stage1_rows] == [(41, 433, 4608)]
     assert md.stage1_rows[0].key == 7
     assert md.stage1_rows[0].plan == plan_request(s, 5000)
     assert builder.prompt_lengths.device_reads == reads
@@ -162,8 +180,7 @@ def test_v2_never_reads_prompt_lengths_from_the_device(builder):
 
 
 def test_v1_prompt_lengths_on_the_host(builder):
-    md = builder.build(0, _cm([(3000, 1, 3000), (700, 3, 700)], _block_table(2),
-                              prompt_lens="v1"))
+    md = builder.build(0, _cm([(3000, 1, 3000), (700, 3, 700)], _block_table(2), prompt_lens="v1"))
     plan = plan_request(builder.settings, 700)
     # Three tokens wholly after a compressed prompt (recomputed after a
     # preemption): one Stage 2 row each, in order, growing seq_len.
@@ -182,8 +199,9 @@ def _compressed_requests(s, prompts: dict[int, int], table, gen):
     pages = BS // s.page_size
     block_elems = HKV * BS * 2 * D + HKV * pages * 2 * D
     storage = torch.full((num_blocks * block_elems,), float("nan"))
-    kv = torch.as_strided(storage, (num_blocks, HKV, BS, 2 * D),
-                          (block_elems, BS * 2 * D, 2 * D, 1))
+    kv = torch.as_strided(
+        storage, (num_blocks, HKV, BS, 2 * D), (block_elems, BS * 2 * D, 2 * D, 1)
+    )
     k, v = paged.split_kv(kv, "cpu_vec")
     kt = paged.kt_cache_view(kv, s.page_size)
     first = 1
@@ -193,14 +211,29 @@ def _compressed_requests(s, prompts: dict[int, int], table, gen):
         first += nb
         slots = torch.arange(n + 1)
         row = table[i].long()
-        paged.write_kv(k, v, torch.randn(n + 1, HKV, D, generator=gen),
-                       torch.randn(n + 1, HKV, D, generator=gen),
-                       row[slots // BS] * BS + slots % BS)
+        paged.write_kv(
+            k,
+            v,
+            torch.randn(n + 1, HKV, D, generator=gen),
+            torch.randn(n + 1, HKV, D, generator=gen),
+            row[slots // BS] * BS + slots % BS,
+        )
         plan = plan_request(s, n)
         assert plan.compress
         q_win = torch.randn(s.window_size, HKV * G, D, generator=gen)
-        paged.snapkv_compress(k, v, kt, row, q_win, n, plan.prompt_budget,
-                              plan.tail_start, s.kernel_size, s.page_size, D**-0.5)
+        paged.snapkv_compress(
+            k,
+            v,
+            kt,
+            row,
+            q_win,
+            n,
+            plan.prompt_budget,
+            plan.tail_start,
+            s.kernel_size,
+            s.page_size,
+            D**-0.5,
+        )
     return kv, k, v, kt
 
 
@@ -210,9 +243,20 @@ def _check_against_oracle(s, got, query, k, v, oracle_kt, table, prompts: dict[i
     for i, n in prompts.items():
         plan = plan_request(s, n)
         want = paged.hsa_decode(
-            query[i], k, v, oracle_kt, table[i].long(), plan.num_compact,
-            plan.tail_start, n + 1, plan.topk, plan.topr, s.page_size, D**-0.5,
-            s.force_current_page)
+            query[i],
+            k,
+            v,
+            oracle_kt,
+            table[i].long(),
+            plan.num_compact,
+            plan.tail_start,
+            n + 1,
+            plan.topk,
+            plan.topr,
+            s.page_size,
+            D**-0.5,
+            s.force_current_page,
+        )
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
 
 
@@ -247,8 +291,7 @@ def test_rows_follow_their_requests_budgets(builder, runner):
     budgets = [0, 2048, None, 64]
     try:
         if runner == "v2":
-            _v2_new_requests(builder, [(30 + i, n) for i, (_, _, n) in enumerate(rows)],
-                             budgets)
+            _v2_new_requests(builder, [(30 + i, n) for i, (_, _, n) in enumerate(rows)], budgets)
             cm = _cm(rows, _block_table(4), req_idx=[30, 31, 32, 33])
         else:
             requests.rows = budgets[:3]  # a row past the list: no budget
@@ -284,14 +327,16 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
     from rocketkv_vllm.state import worker_state
 
     for name in ("add_requests", "_update_states"):
-        [patch] = [p for p in vllm_patches.PATCHES
-                   if p.owner == "GPUModelRunner" and p.name == name]
+        [patch] = [
+            p for p in vllm_patches.PATCHES if p.owner == "GPUModelRunner" and p.name == name
+        ]
         assert vllm_patches.installed(patch)  # and its signature matched
 
     def new(req_id, budget, n=10):
         args = None if budget is None else {"rocketkv_token_budget": budget}
-        return SimpleNamespace(req_id=req_id, prompt_len=n, sampling_params=SimpleNamespace(
-            extra_args=args))
+        return SimpleNamespace(
+            req_id=req_id, prompt_len=n, sampling_params=SimpleNamespace(extra_args=args)
+        )
 
     ours, other = _EngineConfig(), _EngineConfig()  # two engines' configs
     state = worker_state(ours)
@@ -303,8 +348,7 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
 
         def add_requests(self, out):
             for r in out.scheduled_new_reqs:
-                self.req_states.req_id_to_index[r.req_id] = 2 + len(
-                    self.req_states.req_id_to_index)
+                self.req_states.req_id_to_index[r.req_id] = 2 + len(self.req_states.req_id_to_index)
 
     class V1Runner:  # _update_states ends with the batch in its final order
         def __init__(self, vllm_config):
@@ -320,23 +364,21 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
     V1Runner._update_states = vllm_patches._v1_update_states(V1Runner._update_states)
 
     runner = V2Runner(ours)
-    runner.add_requests(SimpleNamespace(scheduled_new_reqs=[
-        new("a", 0, 100), new("b", None), new("c", 512, 300)]))
+    runner.add_requests(
+        SimpleNamespace(scheduled_new_reqs=[new("a", 0, 100), new("b", None), new("c", 512, 300)])
+    )
     cm = SimpleNamespace(num_reqs=3, req_idx=np.array([4, 2, 3]))
     assert state.requests.budgets_for_rows(cm) == [512, 0, None]
-    assert state.requests.prompt_lens_for_slots(np.array([4, 2, 9])).tolist() == [
-        300, 100, -1]
+    assert state.requests.prompt_lens_for_slots(np.array([4, 2, 9])).tolist() == [300, 100, -1]
     V2Runner(other).add_requests(SimpleNamespace(scheduled_new_reqs=[new("d", 64)]))
 
     runner = V1Runner(ours)
-    runner._update_states(SimpleNamespace(
-        finished_req_ids=set(), scheduled_new_reqs=[new("z", 64), new("y", None)]))
-    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
-        None, 64]
-    runner._update_states(SimpleNamespace(
-        finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
-    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [
-        0, None]
+    runner._update_states(
+        SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[new("z", 64), new("y", None)])
+    )
+    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [None, 64]
+    runner._update_states(SimpleNamespace(finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
+    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [0, None]
     assert "z" not in state.requests.by_request
     from rocketkv_vllm.state import existing_worker_state
 
@@ -352,13 +394,27 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
 def graph_builder(model_path):
     """A builder that lays decode steps out for FULL graphs (forced here:
     the CPU build captures none) with the Triton kernels."""
-    return _make_builder(model_path, {"token_budget": 256, "kernel": "triton"}, 4096,
-                         testing={"force_graph_layout": True})
+    return _make_builder(
+        model_path,
+        {"token_budget": 256, "kernel": "triton"},
+        4096,
+        testing={"force_graph_layout": True},
+    )
 
 
 def _graph_tensors(rows):
-    return {name: getattr(rows, name) for name in (
-        "tokens", "block_table", "num_compact", "tail_start", "seq_lens", "topk", "topr")}
+    return {
+        name: getattr(rows, name)
+        for name in (
+            "tokens",
+            "block_table",
+            "num_compact",
+            "tail_start",
+            "seq_lens",
+            "topk",
+            "topr",
+        )
+    }
 
 
 def test_graph_step_replays_its_capture(graph_builder):
@@ -383,8 +439,7 @@ def test_graph_step_replays_its_capture(graph_builder):
     gen = torch.Generator().manual_seed(3)
     _, k, v, kt = _compressed_requests(s, {0: 1800, 2: 700}, table, gen)
     # rows: compressed, short (dense), compressed, V2 padding (no request)
-    cm = _cm([(1800, 1, 1800), (90, 1, 90), (700, 1, 700), (0, 1, 0)], table,
-             req_idx=[4, 9, 6])
+    cm = _cm([(1800, 1, 1800), (90, 1, 90), (700, 1, 700), (0, 1, 0)], table, req_idx=[4, 9, 6])
     cm.seq_lens[3] = 0
     cm.seq_lens_cpu_upper_bound[3] = 0
     step = b.build(0, cm)
@@ -400,9 +455,23 @@ def test_graph_step_replays_its_capture(graph_builder):
     oracle_kt = kt.clone()
     rows = capture.decode  # what the graph was captured with
     triton_ops.hsa_decode_batch(
-        query[: rows.tokens.shape[0]], k, v, kt, rows.block_table, rows.num_compact,
-        rows.tail_start, rows.seq_lens, rows.topk, rows.topr, s.page_size, D**-0.5,
-        rows.max_pages, rows.max_select, s.force_current_page, out=out)
+        query[: rows.tokens.shape[0]],
+        k,
+        v,
+        kt,
+        rows.block_table,
+        rows.num_compact,
+        rows.tail_start,
+        rows.seq_lens,
+        rows.topk,
+        rows.topr,
+        s.page_size,
+        D**-0.5,
+        rows.max_pages,
+        rows.max_select,
+        s.force_current_page,
+        out=out,
+    )
     _check_against_oracle(s, out, query, k, v, oracle_kt, table, {0: 1800, 2: 700})
     assert torch.equal(out[1], native[1]) and torch.equal(out[3], native[3])
 
@@ -426,8 +495,7 @@ def test_graph_layout_leaves_prompt_steps_and_large_selections_eager(graph_build
     _v2_new_requests(b, [(1, 3000), (2, 3000)], [big, None])
     md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
     assert not md.decode.in_place
-    assert md.decode.topk.tolist() == [plan_request(s, 3000, big).topk,
-                                       plan_request(s, 3000).topk]
+    assert md.decode.topk.tolist() == [plan_request(s, 3000, big).topk, plan_request(s, 3000).topk]
     assert guard.needs_eager(np.array([False, False]), [big, None])
     assert not guard.needs_eager(np.array([False, False]), [256, 0, None])
     _v2_new_requests(b, [(1, 3000), (2, 3000)])
@@ -444,11 +512,13 @@ def test_graph_hooks_wrap_the_runners_dispatch_inputs():
     from rocketkv_vllm import vllm_patches
 
     for name in ("_determine_batch_execution_and_padding", "gather_batch_req_state"):
-        [patch] = [p for p in vllm_patches.PATCHES
-                   if p.owner == "GPUModelRunner" and p.name == name]
+        [patch] = [
+            p for p in vllm_patches.PATCHES if p.owner == "GPUModelRunner" and p.name == name
+        ]
         assert vllm_patches.installed(patch)
     assert {"is_prefilling_np", "idx_mapping_np", "decode_graph_eligible"} <= set(
-        v2.BatchReqState._fields)
+        v2.BatchReqState._fields
+    )
 
 
 def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
@@ -471,13 +541,18 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
         def __init__(self, computed, prompts):
             self.vllm_config = config
             self.input_batch = SimpleNamespace(
-                num_computed_tokens_cpu=np.array(computed),
-                num_prompt_tokens=np.array(prompts))
+                num_computed_tokens_cpu=np.array(computed), num_prompt_tokens=np.array(prompts)
+            )
 
         def _determine_batch_execution_and_padding(
-                self, num_tokens, num_reqs, num_scheduled_tokens_np,
-                max_num_scheduled_tokens, use_cascade_attn=False,
-                force_uniform_decode=None):
+            self,
+            num_tokens,
+            num_reqs,
+            num_scheduled_tokens_np,
+            max_num_scheduled_tokens,
+            use_cascade_attn=False,
+            force_uniform_decode=None,
+        ):
             return force_uniform_decode
 
     State = namedtuple("State", "idx_mapping_np is_prefilling_np decode_graph_eligible")
@@ -491,15 +566,19 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
             return self.state, 1
 
     V1Runner._determine_batch_execution_and_padding = vllm_patches._v1_batch_execution(
-        V1Runner._determine_batch_execution_and_padding)
+        V1Runner._determine_batch_execution_and_padding
+    )
     V2Runner.gather_batch_req_state = vllm_patches._v2_gather_batch_req_state(
-        V2Runner.gather_batch_req_state)
+        V2Runner.gather_batch_req_state
+    )
 
     def v1(computed, prompts, max_q=1):
         return V1Runner(computed, prompts)._determine_batch_execution_and_padding(
-            num_tokens=len(computed), num_reqs=len(computed),
+            num_tokens=len(computed),
+            num_reqs=len(computed),
             num_scheduled_tokens_np=np.ones(len(computed), dtype=np.int32),
-            max_num_scheduled_tokens=max_q)
+            max_num_scheduled_tokens=max_q,
+        )
 
     def v2(prefilling, slots=(0, 1)):
         state = State(np.array(slots), np.array(prefilling), True)
@@ -507,7 +586,8 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
 
     assert v1([10, 99], [10, 100]) is None  # no graph shape: untouched
     state.graph_guard = GraphGuard(
-        DecodeGraphShape(rows=8, max_pages=1025, max_select=32), page_size=4)
+        DecodeGraphShape(rows=8, max_pages=1025, max_select=32), page_size=4
+    )
     assert v1([10, 50], [10, 40]) is None  # decodes only
     assert v1([10, 99], [10, 100]) is False  # the prompt's last token
     assert v1([10, 99], [10, 100], max_q=2) is None  # not a decode step anyway
@@ -543,11 +623,13 @@ def test_eager_triton_stage2_runs_large_batches_in_row_chunks(model_path, monkey
     per_row = stages.scratch_bytes_per_row(HKV * G, HKV, md.decode.max_pages)
     monkeypatch.setattr(stages, "SCRATCH_BYTES", per_row)  # one row a call
     calls = []
-    monkeypatch.setattr(b.stage2, "_decode", lambda *a, _f=b.stage2._decode: (
-        calls.append(a[0].shape[0]), _f(*a))[1])
+    monkeypatch.setattr(
+        b.stage2,
+        "_decode",
+        lambda *a, _f=b.stage2._decode: (calls.append(a[0].shape[0]), _f(*a))[1],
+    )
     chunked = b.stage2.decode(query, kv, md.decode, D**-0.5)
     # (split counts follow the batch: fp32 sums in another order)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     assert calls == [1, 1, 1]
-    _check_against_oracle(s, chunked, query, k, v, oracle_kt, table,
-                          dict(enumerate(prompts)))
+    _check_against_oracle(s, chunked, query, k, v, oracle_kt, table, dict(enumerate(prompts)))

@@ -27,9 +27,16 @@ SCRIPT = ROOT / "scripts" / "compile_kernels.py"
 TARGETS = {"sm_90", "sm_80"}
 # every kernel the launchers start (the KT update twice: plain and fused)
 KERNELS = {
-    "_window_stats_kernel", "_window_colsum_kernel", "_compact_kernel", "_kt_pages_kernel",
-    "_kt_update_kernel", "_page_logits_kernel", "_page_probs_kernel",
-    "_select_pages_kernel", "_sparse_decode_kernel", "_merge_splits_kernel",
+    "_window_stats_kernel",
+    "_window_colsum_kernel",
+    "_compact_kernel",
+    "_kt_pages_kernel",
+    "_kt_update_kernel",
+    "_page_logits_kernel",
+    "_page_probs_kernel",
+    "_select_pages_kernel",
+    "_sparse_decode_kernel",
+    "_merge_splits_kernel",
     "_dense_decode_kernel",
 }
 MAX_SMEM = {"sm_90": 232448, "sm_80": 166912}
@@ -51,9 +58,22 @@ def compiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("compile") / "kernels-compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--subset", "ci", "--jobs", "2", "--quiet",
-         "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--subset",
+            "ci",
+            "--jobs",
+            "2",
+            "--quiet",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
     )
     assert out.exists(), f"no JSON written (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
     return proc, json.loads(out.read_text())
@@ -62,14 +82,17 @@ def compiled(tmp_path_factory):
 def test_every_kernel_compiles_for_each_target(compiled):
     proc, doc = compiled
     assert doc["errors"] == [], "\n".join(
-        f"{e['target']} {e['config']} {e['launcher']}: {e['error'][:1500]}"
-        for e in doc["errors"])
+        f"{e['target']} {e['config']} {e['launcher']}: {e['error'][:1500]}" for e in doc["errors"]
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = doc["records"]
     for target in TARGETS:
         for config in doc["configs"]:
-            got = {r["kernel"] for r in records
-                   if r["target"] == target and r["config"] == config and r["launched"]}
+            got = {
+                r["kernel"]
+                for r in records
+                if r["target"] == target and r["config"] == config and r["launched"]
+            }
             # eager rows (128 of them) fill the GPU without splitting the
             # attention: no merge there
             want = KERNELS - ({"_merge_splits_kernel"} if config.endswith("eager") else set())
@@ -91,9 +114,11 @@ def test_compiled_artefacts_are_sane(compiled):
 
 def test_no_register_spills_in_16_bit_configurations(compiled):
     _, doc = compiled
-    spilled = [f"{r['target']} {r['config']} {r['kernel']}: {r['spill_stores']} B stores, "
-               f"{r['spill_loads']} B loads"
-               for r in doc["records"]
-               if r["dtype"] in ("bf16", "fp16") and r["spill_stores"] + r["spill_loads"]]
+    spilled = [
+        f"{r['target']} {r['config']} {r['kernel']}: {r['spill_stores']} B stores, "
+        f"{r['spill_loads']} B loads"
+        for r in doc["records"]
+        if r["dtype"] in ("bf16", "fp16") and r["spill_stores"] + r["spill_loads"]
+    ]
     assert not spilled, "\n".join(spilled)
     assert {r["dtype"] for r in doc["records"]} >= {"bf16", "fp16", "fp32"}

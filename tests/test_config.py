@@ -8,27 +8,30 @@ from rocketkv_vllm.config import RocketKVConfigError, list_presets, parse_config
 from rocketkv_vllm.plan import plan_request, split_token_budget
 
 
-@pytest.mark.parametrize("raw,field", [
-    ({"window_size": 0}, "rocketkv.window_size"),
-    ({"kernel_size": 64}, "rocketkv.kernel_size"),
-    ({"page_size": 3}, "rocketkv.page_size"),
-    ({"topk": "many"}, "rocketkv.topk"),
-    ({"token_budget": 8}, "rocketkv.token_budget"),
-    ({"kernel": "cuda"}, "rocketkv.kernel"),
-    ({"kt_dtype": "fp8"}, "rocketkv.kt_dtype"),
-    ({"kt_dtype": None}, "rocketkv.kt_dtype"),
-    ({"preset": "no-such-preset"}, "rocketkv.preset"),
-    ({"force_current_page": "yes"}, "rocketkv.force_current_page"),
-    ({"prompt_budget": True}, "rocketkv.prompt_budget"),
-    ({"evict": "no"}, "rocketkv.evict"),
-    ({"evict": None}, "rocketkv.evict"),
-    # token_budget derives these: an explicit one next to it is refused
-    ({"token_budget": 256, "topk": 64}, "rocketkv.topk"),
-    ({"token_budget": 256, "topr": 32}, "rocketkv.topr"),
-    ({"token_budget": 256, "prompt_budget": 1024}, "rocketkv.prompt_budget"),
-    ({"preset": "budget-256", "topk": 64}, "rocketkv.topk"),
-    ({"preset": "trtllm", "token_budget": 512}, "rocketkv.prompt_budget"),
-])
+@pytest.mark.parametrize(
+    "raw,field",
+    [
+        ({"window_size": 0}, "rocketkv.window_size"),
+        ({"kernel_size": 64}, "rocketkv.kernel_size"),
+        ({"page_size": 3}, "rocketkv.page_size"),
+        ({"topk": "many"}, "rocketkv.topk"),
+        ({"token_budget": 8}, "rocketkv.token_budget"),
+        ({"kernel": "cuda"}, "rocketkv.kernel"),
+        ({"kt_dtype": "fp8"}, "rocketkv.kt_dtype"),
+        ({"kt_dtype": None}, "rocketkv.kt_dtype"),
+        ({"preset": "no-such-preset"}, "rocketkv.preset"),
+        ({"force_current_page": "yes"}, "rocketkv.force_current_page"),
+        ({"prompt_budget": True}, "rocketkv.prompt_budget"),
+        ({"evict": "no"}, "rocketkv.evict"),
+        ({"evict": None}, "rocketkv.evict"),
+        # token_budget derives these: an explicit one next to it is refused
+        ({"token_budget": 256, "topk": 64}, "rocketkv.topk"),
+        ({"token_budget": 256, "topr": 32}, "rocketkv.topr"),
+        ({"token_budget": 256, "prompt_budget": 1024}, "rocketkv.prompt_budget"),
+        ({"preset": "budget-256", "topk": 64}, "rocketkv.topk"),
+        ({"preset": "trtllm", "token_budget": 512}, "rocketkv.prompt_budget"),
+    ],
+)
 def test_bad_values_name_the_field_and_range(raw, field):
     with pytest.raises(RocketKVConfigError) as err:
         parse_config(raw)
@@ -73,8 +76,14 @@ def test_every_preset_parses_and_resolves():
 def test_presets_load_and_user_values_override():
     assert {"budget-256", "budget-1024", "budget-2048", "trtllm"} <= set(list_presets())
     trt = parse_config({"preset": "trtllm"})
-    assert (trt.prompt_budget, trt.window_size, trt.kernel_size, trt.page_size,
-            trt.topk, trt.topr) == (2048, 32, 63, 4, 256, None)
+    assert (
+        trt.prompt_budget,
+        trt.window_size,
+        trt.kernel_size,
+        trt.page_size,
+        trt.topk,
+        trt.topr,
+    ) == (2048, 32, 63, 4, 256, None)
     cfg = parse_config({"preset": "budget-1024", "window_size": 16})
     assert cfg.token_budget == 1024 and cfg.window_size == 16
     # An explicit prompt budget replaces a preset's automatic split.
@@ -156,7 +165,8 @@ def test_token_budget_plans_stay_in_range():
 
 def test_no_eviction_plan_keeps_everything_and_frees_nothing():
     settings = resolve_settings(
-        parse_config({"evict": False, "page_size": 16, "topk": 256}), 16, 64, 8192)
+        parse_config({"evict": False, "page_size": 16, "topk": 256}), 16, 64, 8192
+    )
     assert settings.evict is False
     for n in (1000, 1024, 4001):
         plan = plan_request(settings, n)
@@ -168,14 +178,13 @@ def test_no_eviction_plan_keeps_everything_and_frees_nothing():
     assert not plan_request(settings, 256).compress
     assert plan_request(settings, 257).compress
     small = resolve_settings(
-        parse_config({"evict": False, "page_size": 4, "topk": 16}), 16, 64, 8192)
+        parse_config({"evict": False, "page_size": 4, "topk": 16}), 16, 64, 8192
+    )
     assert not plan_request(small, 32).compress  # not beyond the window (32)
     assert plan_request(small, 33).compress
     # page size 1 (exact scores) and a topk beyond any view are accepted
-    resolve_settings(parse_config({"evict": False, "page_size": 1, "topk": 128}),
-                     16, 64, 8192)
-    huge = resolve_settings(parse_config({"prompt_budget": 256, "topk": 1 << 20}),
-                            16, 64, 8192)
+    resolve_settings(parse_config({"evict": False, "page_size": 1, "topk": 128}), 16, 64, 8192)
+    huge = resolve_settings(parse_config({"prompt_budget": 256, "topk": 1 << 20}), 16, 64, 8192)
     assert plan_request(huge, 4000).compress
 
 
@@ -189,8 +198,7 @@ def test_bad_request_budget_names_the_field_and_range(value):
     with pytest.raises(RocketKVConfigError) as err:
         request_token_budget(args)
     assert "vllm_xargs.rocketkv_token_budget" in str(err.value)
-    assert "0 (this request uncompressed) or an integer in [16, 16777216]" in str(
-        err.value)
+    assert "0 (this request uncompressed) or an integer in [16, 16777216]" in str(err.value)
     # One that skipped the check on arrival: the engine's settings, everywhere.
     assert planned_budget(SimpleNamespace(extra_args=args)) is None
 
@@ -202,12 +210,14 @@ def test_request_budget_plans_like_an_engine_with_that_budget():
     assert request_token_budget({"other": 1}) is None
     assert request_token_budget({"rocketkv_token_budget": 0}) == 0
     assert request_token_budget({"rocketkv_token_budget": 1024}) == 1024
-    engines = [resolve_settings(parse_config(raw), 32, 64, 8192) for raw in (
-        {"token_budget": 256, "page_size": 4},
-        {"prompt_budget": 512, "topk": 64, "page_size": 4},
-    )]
-    want = resolve_settings(parse_config({"token_budget": 1024, "page_size": 4}),
-                            32, 64, 8192)
+    engines = [
+        resolve_settings(parse_config(raw), 32, 64, 8192)
+        for raw in (
+            {"token_budget": 256, "page_size": 4},
+            {"prompt_budget": 512, "topk": 64, "page_size": 4},
+        )
+    ]
+    want = resolve_settings(parse_config({"token_budget": 1024, "page_size": 4}), 32, 64, 8192)
     for settings in engines:
         for n in (700, 3000, 6000):
             assert plan_request(settings, n, 1024) == plan_request(want, n)
@@ -226,7 +236,7 @@ def test_readme_configuration_table_is_the_knobs_metadata():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = readme.index("<!-- config-table")
-    table = readme[readme.index("\n", start) + 1: readme.index("<!-- /config-table -->")]
+    table = readme[readme.index("\n", start) + 1 : readme.index("<!-- /config-table -->")]
     assert table.strip() == config_table()
 
 
@@ -250,16 +260,20 @@ def test_a_near_miss_of_the_config_key_is_refused(key):
 
     with pytest.raises(RocketKVConfigError, match=f"'{key}'.*did you mean 'rocketkv'"):
         raw_config(SimpleNamespace(additional_config={key: {"token_budget": 256}}))
-    assert raw_config(SimpleNamespace(additional_config={
-        "rocketkv": {"token_budget": 256}, "other_plugin": {}})) == {"token_budget": 256}
+    assert raw_config(
+        SimpleNamespace(additional_config={"rocketkv": {"token_budget": 256}, "other_plugin": {}})
+    ) == {"token_budget": 256}
 
 
-@pytest.mark.parametrize("content,reason", [
-    (b"token_budget: [1, 2\n", "is not YAML at line 2"),
-    (b"token_budget: !!python/object:os.system 1\n", "uses a YAML tag at line 1"),
-    (b"\xff\xfe\x00\x01binary", "binary"),
-    (b"- 1\n- 2\n", "a mapping"),
-])
+@pytest.mark.parametrize(
+    "content,reason",
+    [
+        (b"token_budget: [1, 2\n", "is not YAML at line 2"),
+        (b"token_budget: !!python/object:os.system 1\n", "uses a YAML tag at line 1"),
+        (b"\xff\xfe\x00\x01binary", "binary"),
+        (b"- 1\n- 2\n", "a mapping"),
+    ],
+)
 def test_a_bad_preset_file_names_the_field_and_the_reason(tmp_path, content, reason):
     path = tmp_path / "bad.yaml"
     path.write_bytes(content)

@@ -27,8 +27,9 @@ def _cache(hkv, d, bs, ps, dtype, kt_dtype="auto"):
 
 
 def _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype="auto"):
-    kv = torch.as_strided(storage, (NUM_BLOCKS, hkv, bs, 2 * d),
-                          (block_elems, bs * 2 * d, 2 * d, 1))
+    kv = torch.as_strided(
+        storage, (NUM_BLOCKS, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1)
+    )
     k, v = paged.split_kv(kv, layout)
     return kv, k, v, paged.kt_cache_view(kv, ps, kt_dtype)
 
@@ -49,22 +50,28 @@ def _query(batch, hkv, g, d, dtype, gen):
 
 @pytest.mark.parametrize("layout", ["head_rows", "cpu_vec", "cpu_amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hkv,g,d,bs,ps,force", [
-    (3, 3, 64, 32, 4, True),
-    (2, 4, 128, 32, 2, False),
-    (1, 1, 64, 64, 1, True),
-    (2, 2, 64, 32, 8, False),
-    (3, 3, 64, 32, 16, False),
-])
+@pytest.mark.parametrize(
+    "hkv,g,d,bs,ps,force",
+    [
+        (3, 3, 64, 32, 4, True),
+        (2, 4, 128, 32, 2, False),
+        (1, 1, 64, 64, 1, True),
+        (2, 2, 64, 32, 8, False),
+        (3, 3, 64, 32, 16, False),
+    ],
+)
 def test_native_stage2_matches_batched_torch(layout, dtype, hkv, g, d, bs, ps, force):
     _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, "auto")
 
 
 @pytest.mark.parametrize("layout", ["head_rows", "cpu_vec", "cpu_amx"])
-@pytest.mark.parametrize("hkv,g,d,bs,ps,force", [
-    (3, 3, 64, 32, 4, True),
-    (2, 4, 128, 32, 2, False),
-])
+@pytest.mark.parametrize(
+    "hkv,g,d,bs,ps,force",
+    [
+        (3, 3, 64, 32, 4, True),
+        (2, 4, 128, 32, 2, False),
+    ],
+)
 def test_native_stage2_with_fp8_kt_matches_batched_torch(layout, hkv, g, d, bs, ps, force):
     # KT bytes must agree exactly: both fold the new key into decoded rows
     # and encode outward (algorithm.kt_fp8).
@@ -99,8 +106,7 @@ _HEAD_SIZE_CASES = [
 
 @pytest.mark.parametrize("layout,dtype,hkv,g,d,kt_dtype", _HEAD_SIZE_CASES)
 def test_native_stage2_head_sizes_match_oracle(layout, dtype, hkv, g, d, kt_dtype):
-    _check_against_batched(layout, dtype, hkv, g, d, 32, 4, d % 64 == 32, kt_dtype,
-                           oracle=True)
+    _check_against_batched(layout, dtype, hkv, g, d, 32, 4, d % 64 == 32, kt_dtype, oracle=True)
 
 
 def test_amx_layout_needs_head_size_multiple_of_32():
@@ -109,9 +115,21 @@ def test_amx_layout_needs_head_size_multiple_of_32():
     kv, _, _, kt = _views(storage, block_elems, 1, 80, 32, 4, "head_rows")
     ones = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="AMX layout needs head_size"):
-        cpu_ops.hsa_decode_batch(torch.zeros(1, 1, 80, dtype=torch.bfloat16), kv, kt,
-                                 "cpu_amx", torch.ones(1, 1, dtype=torch.int32), ones * 0,
-                                 ones * 0, ones, ones, ones, 4, 0.1, False)
+        cpu_ops.hsa_decode_batch(
+            torch.zeros(1, 1, 80, dtype=torch.bfloat16),
+            kv,
+            kt,
+            "cpu_amx",
+            torch.ones(1, 1, dtype=torch.int32),
+            ones * 0,
+            ones * 0,
+            ones,
+            ones,
+            ones,
+            4,
+            0.1,
+            False,
+        )
 
 
 def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, oracle=False):
@@ -123,11 +141,15 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
     rows, plans = [], []
     free = torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1
     for i, (n, budget, pages_k, topr) in enumerate(specs):
-        row = free[i * 38:(i + 1) * 38]
+        row = free[i * 38 : (i + 1) * 38]
         slots = torch.arange(n + 2 * ps + 1)
-        paged.write_kv(k, v, torch.randn(len(slots), hkv, d, generator=gen).to(dtype),
-                       torch.randn(len(slots), hkv, d, generator=gen).to(dtype),
-                       row[slots // bs] * bs + slots % bs)
+        paged.write_kv(
+            k,
+            v,
+            torch.randn(len(slots), hkv, d, generator=gen).to(dtype),
+            torch.randn(len(slots), hkv, d, generator=gen).to(dtype),
+            row[slots // bs] * bs + slots % bs,
+        )
         tail = n // bs * bs
         q_win = torch.randn(16, hkv * g, d, generator=gen)
         paged.snapkv_compress(k, v, kt, row, q_win, n, budget, tail, 7, ps, d**-0.5)
@@ -147,19 +169,57 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
         query = _query(len(plans), hkv, g, d, dtype, gen)
         max_pages = int(((num_compact + ps - 1) // ps + (seq - tail_start + ps - 1) // ps).max())
         view = batched.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
-        want = batched.hsa_decode_batch(query, k, v, kt, table, seq, view, topr, num_select,
-                                        int(num_select.max()), ps, d**-0.5, force)
-        got = cpu_ops.hsa_decode_batch(query, kv2, kt2, layout, table, num_compact,
-                                       tail_start, seq, topr, num_select, ps, d**-0.5, force)
+        want = batched.hsa_decode_batch(
+            query,
+            k,
+            v,
+            kt,
+            table,
+            seq,
+            view,
+            topr,
+            num_select,
+            int(num_select.max()),
+            ps,
+            d**-0.5,
+            force,
+        )
+        got = cpu_ops.hsa_decode_batch(
+            query,
+            kv2,
+            kt2,
+            layout,
+            table,
+            num_compact,
+            tail_start,
+            seq,
+            topr,
+            num_select,
+            ps,
+            d**-0.5,
+            force,
+        )
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         torch.testing.assert_close(kt2, kt, rtol=0, atol=0, equal_nan=True)
         if oracle:
             for b in range(len(plans)):
-                ref = paged.hsa_decode(query[b], k3, v3, kt3, table[b], int(num_compact[b]),
-                                       int(tail_start[b]), int(seq[b]),
-                                       int(num_select[b]) * ps, int(topr[b]), ps,
-                                       d**-0.5, force)
-                torch.testing.assert_close(got[b], ref, rtol=tol, atol=tol,
-                                           msg=f"row {b} differs from the oracle")
+                ref = paged.hsa_decode(
+                    query[b],
+                    k3,
+                    v3,
+                    kt3,
+                    table[b],
+                    int(num_compact[b]),
+                    int(tail_start[b]),
+                    int(seq[b]),
+                    int(num_select[b]) * ps,
+                    int(topr[b]),
+                    ps,
+                    d**-0.5,
+                    force,
+                )
+                torch.testing.assert_close(
+                    got[b], ref, rtol=tol, atol=tol, msg=f"row {b} differs from the oracle"
+                )
             torch.testing.assert_close(kt2, kt3, rtol=0, atol=0, equal_nan=True)

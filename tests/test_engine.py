@@ -5,8 +5,8 @@ so these tests also cover loading the backend in a spawned process.
 """
 
 import pytest
-
 from conftest import greedy, make_llm, shutdown
+
 from rocketkv_eval.needle import build_needle_prompt, is_correct
 
 pytestmark = pytest.mark.engine
@@ -33,8 +33,10 @@ def _greedy_with_logprobs(llm, prompts, max_tokens):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, tokens)]
-                for o, tokens in zip(outs, ids)]
+    logprobs = [
+        [step[t].logprob for step, t in zip(o.outputs[0].logprobs, tokens)]
+        for o, tokens in zip(outs, ids)
+    ]
     return ids, logprobs
 
 
@@ -78,19 +80,30 @@ def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer, prefix
         build_needle_prompt(tokenizer, 900, 0.5, seed=23).prompt,
     ]
     cfg = {"prompt_budget": 320}
-    alone = make_llm(model_path, "ROCKETKV", cfg, max_num_seqs=1,
-                     max_num_batched_tokens=4096, enable_prefix_caching=prefix_caching)
+    alone = make_llm(
+        model_path,
+        "ROCKETKV",
+        cfg,
+        max_num_seqs=1,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=prefix_caching,
+    )
     alone_ids, _ = greedy(alone, prompts, max_tokens=20)
     shutdown(alone)
-    mixed = make_llm(model_path, "ROCKETKV", cfg, max_num_seqs=8,
-                     max_num_batched_tokens=384, enable_prefix_caching=prefix_caching)
+    mixed = make_llm(
+        model_path,
+        "ROCKETKV",
+        cfg,
+        max_num_seqs=8,
+        max_num_batched_tokens=384,
+        enable_prefix_caching=prefix_caching,
+    )
     mixed_ids, _ = greedy(mixed, prompts, max_tokens=20)
     shutdown(mixed)
     assert [list(t) for t in mixed_ids] == [list(t) for t in alone_ids]
 
 
-def test_per_request_budget_matches_an_engine_with_that_budget(
-        model_path, tokenizer, monkeypatch):
+def test_per_request_budget_matches_an_engine_with_that_budget(model_path, tokenizer, monkeypatch):
     """One batch mixing requests with their own budget (``extra_args``), with
     budget 0 (uncompressed) and with none (the engine's): each gives the tokens
     and logprobs of an engine configured that way, and the scheduler gives
@@ -108,14 +121,16 @@ def test_per_request_budget_matches_an_engine_with_that_budget(
     p2 = build_needle_prompt(tokenizer, 2300, 0.6, seed=32).prompt
 
     def params(budget):
-        return SamplingParams(temperature=0.0, max_tokens=16, logprobs=1,
-                              extra_args=None if budget is None
-                              else {"rocketkv_token_budget": budget})
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            logprobs=1,
+            extra_args=None if budget is None else {"rocketkv_token_budget": budget},
+        )
 
     def result(out):
         o = out.outputs[0]
-        return (list(o.token_ids),
-                [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)])
+        return (list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)])
 
     def run(llm, requests):
         """Results and, per request, how many of its blocks were given back
@@ -134,7 +149,8 @@ def test_per_request_budget_matches_an_engine_with_that_budget(
                     blocks = manager.req_to_blocks[r.request_id]
                     freed[key] = (r.num_prompt_tokens, sum(b.is_null for b in blocks))
         return [done[str(i)] for i in range(len(requests))], [
-            freed[str(i)] for i in range(len(requests))]
+            freed[str(i)] for i in range(len(requests))
+        ]
 
     cfg = {"token_budget": 128, "page_size": 4}
     llm = make_llm(model_path, "ROCKETKV", cfg, testing={"poison_evicted_blocks": True})
@@ -174,8 +190,7 @@ NEEDLE_CASES = [(n, d) for n in (2000, 4000, 7000) for d in (0.1, 0.5, 0.9)]
 
 def test_needle_retrieval_with_compression(model_path, tokenizer):
     """At token budget 256 the needle is found about as often as with dense."""
-    cases = [build_needle_prompt(tokenizer, n, d, seed=i)
-             for i, (n, d) in enumerate(NEEDLE_CASES)]
+    cases = [build_needle_prompt(tokenizer, n, d, seed=i) for i, (n, d) in enumerate(NEEDLE_CASES)]
     prompts = [c.prompt for c in cases]
     dense = make_llm(model_path, "CPU_ATTN")
     _, dense_text = greedy(dense, prompts, max_tokens=16)
@@ -209,8 +224,7 @@ def test_chunked_prefill_gives_the_same_output(model_path, tokenizer):
     whole_ids, _ = greedy(whole, prompts)
     shutdown(whole)
     # One request at a time, so chunk boundaries fall on multiples of `chunk`.
-    chunked = make_llm(model_path, "ROCKETKV", cfg, max_num_batched_tokens=chunk,
-                       max_num_seqs=1)
+    chunked = make_llm(model_path, "ROCKETKV", cfg, max_num_batched_tokens=chunk, max_num_seqs=1)
     chunked_ids, _ = greedy(chunked, prompts)
     shutdown(chunked)
     for a, b in zip(whole_ids, chunked_ids):
@@ -218,21 +232,28 @@ def test_chunked_prefill_gives_the_same_output(model_path, tokenizer):
 
 
 @pytest.mark.parametrize("kt_dtype,graph_layout", [("auto", True), ("fp8_e4m3", False)])
-def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtype,
-                                                  graph_layout, capfd):
+def test_triton_path_forced_on_matches_torch_path(
+    model_path, tokenizer, kt_dtype, graph_layout, capfd
+):
     """The Triton kernels (interpreted on CPU) inside the engine: same tokens
     as the PyTorch path, with compression, a mixed batch and a dense row.
     With ``force_graph_layout`` every decode step of both rows is laid out
     as a FULL CUDA graph replays it (backend.graphs): Stage 2 over both rows
     with launch shapes from max_model_len, the dense row left to the native
     backend, written in place."""
-    prompts = [build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
-               _chat(tokenizer, "Name three colours.")]
+    prompts = [
+        build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
+        _chat(tokenizer, "Name three colours."),
+    ]
     cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
     torch_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="torch"), prompts, 5)
     triton_ids, _ = _rocketkv_tokens(
-        model_path, dict(cfg, kernel="triton"), prompts, 5,
-        testing={"force_graph_layout": graph_layout})
+        model_path,
+        dict(cfg, kernel="triton"),
+        prompts,
+        5,
+        testing={"force_graph_layout": graph_layout},
+    )
     assert triton_ids == torch_ids
     logged = "decode steps replay FULL CUDA graphs" in "".join(capfd.readouterr())
     assert logged == graph_layout
@@ -251,8 +272,10 @@ def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(model_path, tokeniz
     """kt_dtype fp8_e4m3 in the engine: the native CPU kernel and batched
     PyTorch (two implementations of the fp8 rows) choose the same pages, and
     the smaller KT rows leave room for more KV blocks."""
-    prompts = [build_needle_prompt(tokenizer, 1400, 0.4, seed=41).prompt,
-               build_needle_prompt(tokenizer, 2300, 0.6, seed=42).prompt]
+    prompts = [
+        build_needle_prompt(tokenizer, 1400, 0.4, seed=41).prompt,
+        build_needle_prompt(tokenizer, 2300, 0.6, seed=42).prompt,
+    ]
     cfg = {"token_budget": 256, "kt_dtype": "fp8_e4m3"}
     native_ids, fp8_blocks = _rocketkv_tokens(model_path, cfg, prompts, 16)
     torch_ids, _ = _rocketkv_tokens(model_path, dict(cfg, kernel="torch"), prompts, 16)

@@ -5,18 +5,18 @@ import os
 import re
 
 import pytest
+from conftest import make_llm, shutdown
 
 from rocketkv_eval import tasks as eval_tasks
 from rocketkv_eval.tasks import NIAH_INTRO, TASKS, make_sample, make_samples, score
-
-from conftest import make_llm, shutdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _script():
     spec = importlib.util.spec_from_file_location(
-        "eval_accuracy", os.path.join(ROOT, "scripts", "eval_accuracy.py"))
+        "eval_accuracy", os.path.join(ROOT, "scripts", "eval_accuracy.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -69,7 +69,7 @@ def test_task_structure(tokenizer):
 
     mq = make_sample("niah_multiquery", tokenizer, 1500)
     needles = dict(re.findall(r"magic numbers for (\S+) is: (\d+)\.", mq.prompt))
-    question = mq.prompt[mq.prompt.index("What are all"):]
+    question = mq.prompt[mq.prompt.index("What are all") :]
     assert all(k in question for k in needles)
     assert sorted(needles.values()) == sorted(mq.references)
 
@@ -113,7 +113,11 @@ def test_method_settings():
     assert snap["prompt_budget"] == 128 and snap["topk"] % 4 == 0
     assert snap["topk"] >= 128 + 63 and snap["force_current_page"] is False
     assert mod.method_settings("quest", 256, 64) == {
-        "evict": False, "page_size": 16, "topk": 256, "force_current_page": True}
+        "evict": False,
+        "page_size": 16,
+        "topk": 256,
+        "force_current_page": True,
+    }
     assert mod.method_settings("oracle", 256, 64)["page_size"] == 1
     assert mod.method_settings("rocketkv", 256, 64)["token_budget"] == 256
 
@@ -121,11 +125,16 @@ def test_method_settings():
 def test_agreement_from_outputs():
     mod = _script()
     out = lambda toks: [{"tokens": t} for t in toks]  # noqa: E731
-    report = {"rows": [
-        {"task": "vt", "length": 10, "method": "dense", "budget": None},
-        {"task": "vt", "length": 10, "method": "snapkv", "budget": 4}],
-        "outputs": {"vt/10/dense/None": out([[1, 2, 3], [4, 5]]),
-                    "vt/10/snapkv/4": out([[1, 2, 3], [4, 6]])}}
+    report = {
+        "rows": [
+            {"task": "vt", "length": 10, "method": "dense", "budget": None},
+            {"task": "vt", "length": 10, "method": "snapkv", "budget": 4},
+        ],
+        "outputs": {
+            "vt/10/dense/None": out([[1, 2, 3], [4, 5]]),
+            "vt/10/snapkv/4": out([[1, 2, 3], [4, 6]]),
+        },
+    }
     mod.finalize(report)
     assert report["rows"][1]["agreement"] == 0.5
     assert report["rows"][1]["first_divergence_mean"] == 2.0  # (3 + 1) / 2
@@ -134,8 +143,14 @@ def test_agreement_from_outputs():
 # ------------------------------------------------------------------- smoke
 # A decode step that sees only its own 4-token page (and a 64-token prompt
 # after eviction) cannot copy a 7-digit number from 1k tokens back.
-BROKEN = {"prompt_budget": 64, "window_size": 32, "page_size": 4, "topk": 4,
-          "topr": 1, "force_current_page": True}
+BROKEN = {
+    "prompt_budget": 64,
+    "window_size": 32,
+    "page_size": 4,
+    "topk": 4,
+    "topr": 1,
+    "force_current_page": True,
+}
 
 
 @pytest.mark.engine
@@ -144,8 +159,7 @@ def test_smoke_dense_high_broken_low(model_path, tokenizer):
     samples = make_samples("niah_single", tokenizer, 1024, 4)
     accuracy = {}
     for name, backend, cfg in (("dense", None, None), ("broken", "ROCKETKV", BROKEN)):
-        llm = make_llm(model_path, backend, cfg, max_model_len=1024 + 16,
-                       max_num_seqs=4)
+        llm = make_llm(model_path, backend, cfg, max_model_len=1024 + 16, max_num_seqs=4)
         try:
             res = mod.run_cell(llm, samples, 12)
         finally:

@@ -5,7 +5,6 @@ nothing but are deterministic)."""
 import random
 
 import pytest
-
 from conftest import make_llm, shutdown
 
 pytestmark = pytest.mark.engine
@@ -25,13 +24,15 @@ def _tokens(llm, prompts, max_tokens=12):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            logprobs=1)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-            for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [
+        (
+            list(o.outputs[0].token_ids),
+            [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+        )
+        for o in outs
+    ]
 
 
 def _run(model, backend, rocketkv=None, prompts=()):
@@ -51,10 +52,10 @@ def test_head_dim_96_end_to_end(tiny_model):
     dense = _run(tiny_model, "CPU_ATTN", prompts=prompts)
     uncompressed = _run(tiny_model, "ROCKETKV", {"prompt_budget": 4096}, prompts)
     native = _run(tiny_model, "ROCKETKV", {"prompt_budget": 256}, prompts)
-    reference = _run(tiny_model, "ROCKETKV", {"prompt_budget": 256, "kernel": "torch"},
-                     prompts)
-    triton = _run(tiny_model, "ROCKETKV", {"prompt_budget": 256, "kernel": "triton"},
-                  prompts)  # interpreted on CPU
+    reference = _run(tiny_model, "ROCKETKV", {"prompt_budget": 256, "kernel": "torch"}, prompts)
+    triton = _run(
+        tiny_model, "ROCKETKV", {"prompt_budget": 256, "kernel": "triton"}, prompts
+    )  # interpreted on CPU
 
     def close(a, b, tol):
         return a[0] == b[0] and a[1] == pytest.approx(b[1], abs=tol)

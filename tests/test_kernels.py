@@ -58,8 +58,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 AUTO, FP8 = "auto", "fp8_e4m3"  # KT cache formats (fp8: uint8 rows, algorithm.kt_fp8)
-TOL = {F32: dict(atol=1e-4, rtol=1e-4), BF16: dict(atol=2e-2, rtol=2e-2),
-       F16: dict(atol=5e-3, rtol=5e-3)}
+TOL = {
+    F32: dict(atol=1e-4, rtol=1e-4),
+    BF16: dict(atol=2e-2, rtol=2e-2),
+    F16: dict(atol=5e-3, rtol=5e-3),
+}
 
 
 class Skip(Exception):
@@ -77,9 +80,11 @@ def skip(reason: str):
 
 def parametrize(names: str, cases: list):
     """pytest.mark.parametrize that also records the cases for the runner."""
+
     def deco(fn):
         fn._cases = (names, cases)
         return pytest.mark.parametrize(names, cases)(fn) if pytest else fn
+
     return deco
 
 
@@ -105,15 +110,17 @@ LAYOUTS = ("token", "head_rows", "cpu_vec", "split")
 class Cache:
     GUARD = 40  # extra NaN elements at the end of every block
 
-    def __init__(self, num_blocks, hkv, d, bs, ps, dtype, layout="token", device=DEVICE,
-                 kt_dtype=AUTO):
+    def __init__(
+        self, num_blocks, hkv, d, bs, ps, dtype, layout="token", device=DEVICE, kt_dtype=AUTO
+    ):
         assert layout in LAYOUTS
         width = 2 * d
         kt_bytes = hkv * (bs // ps) * paged.kt_row_bytes(d, dtype, kt_dtype)
         self.data_elems = hkv * bs * width + -(-kt_bytes // dtype.itemsize)
         self.block_elems = self.data_elems + self.GUARD
-        self.storage = torch.full((num_blocks * self.block_elems,), float("nan"),
-                                  dtype=dtype, device=device)
+        self.storage = torch.full(
+            (num_blocks * self.block_elems,), float("nan"), dtype=dtype, device=device
+        )
         self.hkv, self.d, self.bs, self.ps, self.dtype = hkv, d, bs, ps, dtype
         self.layout, self.kt_dtype = layout, kt_dtype
         self._views()
@@ -122,14 +129,16 @@ class Cache:
     def _views(self):
         hkv, bs, width = self.hkv, self.bs, 2 * self.d
         num_blocks = self.storage.numel() // self.block_elems
-        self.kv = torch.as_strided(self.storage, (num_blocks, hkv, bs, width),
-                                   (self.block_elems, bs * width, width, 1))
+        self.kv = torch.as_strided(
+            self.storage, (num_blocks, hkv, bs, width), (self.block_elems, bs * width, width, 1)
+        )
         if self.layout == "split":
             d = self.d
             shape = (num_blocks, hkv, bs, d)
             self.k = torch.as_strided(self.storage, shape, (self.block_elems, bs * d, d, 1))
-            self.v = torch.as_strided(self.storage, shape, (self.block_elems, d, hkv * d, 1),
-                                      hkv * bs * d)
+            self.v = torch.as_strided(
+                self.storage, shape, (self.block_elems, d, hkv * d, 1), hkv * bs * d
+            )
         else:
             self.k, self.v = paged.split_kv(self.kv, self.layout)
         if self.layout == "cpu_vec":  # K's last dim really is strided
@@ -146,7 +155,7 @@ class Cache:
 
     def check_guard(self):
         """The padding past each block's KV and KT data is untouched."""
-        guard = self.storage.view(-1, self.block_elems)[:, self.data_elems:]
+        guard = self.storage.view(-1, self.block_elems)[:, self.data_elems :]
         assert bool(guard.isnan().all()), "a kernel wrote into the block padding"
 
     def new_row(self, num_blocks: int) -> torch.Tensor:
@@ -179,7 +188,8 @@ class Cache:
         blocks, offsets = paged.physical_slots(row, starts, self.bs)
         # fp8 rows: 0xff is a NaN code, and a NaN scale
         self.kt[blocks, :, offsets // self.ps, :] = (
-            0xFF if self.kt.dtype == torch.uint8 else float("nan"))
+            0xFF if self.kt.dtype == torch.uint8 else float("nan")
+        )
 
 
 def _table(rows, width=None):
@@ -203,23 +213,26 @@ def _same_storage(a: Cache, b: Cache):
     if a.kt.dtype == torch.uint8:  # fp8 KT rows: bit for bit
         assert torch.equal(a.kt, b.kt), "fp8 KT rows differ"
     assert torch.equal(a.storage.isnan(), b.storage.isnan())
-    torch.testing.assert_close(a.storage.cpu(), b.storage.cpu(), atol=0, rtol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(a.storage.cpu(), b.storage.cpu(), atol=0, rtol=0, equal_nan=True)
 
 
 # --------------------------------------------------------------------------
 # Stage 1 kernels
 
-@parametrize("n,hkv,g,d,bs,w,dtype,chunk,layout", [
-    (300, 3, 3, 64, 16, 16, F32, 128, "token"),
-    (200, 2, 4, 128, 32, 16, BF16, None, "head_rows"),
-    (150, 1, 8, 64, 16, 8, F32, 64, "cpu_vec"),
-    (180, 2, 1, 64, 32, 32, BF16, None, "split"),
-    # other FLASH_ATTN head sizes (padded to a power of two, masked past d)
-    (120, 2, 2, 32, 16, 16, F16, 64, "token"),
-    (100, 1, 3, 96, 16, 8, BF16, None, "cpu_vec"),
-    (90, 1, 2, 256, 16, 8, F32, 64, "split"),
-])
+
+@parametrize(
+    "n,hkv,g,d,bs,w,dtype,chunk,layout",
+    [
+        (300, 3, 3, 64, 16, 16, F32, 128, "token"),
+        (200, 2, 4, 128, 32, 16, BF16, None, "head_rows"),
+        (150, 1, 8, 64, 16, 8, F32, 64, "cpu_vec"),
+        (180, 2, 1, 64, 32, 32, BF16, None, "split"),
+        # other FLASH_ATTN head sizes (padded to a power of two, masked past d)
+        (120, 2, 2, 32, 16, 16, F16, 64, "token"),
+        (100, 1, 3, 96, 16, 8, BF16, None, "cpu_vec"),
+        (90, 1, 2, 256, 16, 8, F32, 64, "split"),
+    ],
+)
 def test_window_scores(n, hkv, g, d, bs, w, dtype, chunk, layout):
     gen = torch.Generator().manual_seed(n)
     c = Cache(n // bs + 4, hkv, d, bs, 4, dtype, layout)
@@ -250,14 +263,17 @@ def _kept_patterns(hkv, count, n, gen):
     return torch.stack(rows).to(DEVICE)
 
 
-@parametrize("hkv,d,bs,dtype,count,layout", [
-    (3, 64, 16, F32, 70, "cpu_vec"),
-    (4, 128, 32, BF16, 45, "token"),
-    (2, 80, 16, F16, 33, "split"),
-    (2, 32, 16, BF16, 40, "head_rows"),
-    (1, 256, 16, F32, 21, "cpu_vec"),
-    (2, 96, 32, BF16, 50, "token"),
-])
+@parametrize(
+    "hkv,d,bs,dtype,count,layout",
+    [
+        (3, 64, 16, F32, 70, "cpu_vec"),
+        (4, 128, 32, BF16, 45, "token"),
+        (2, 80, 16, F16, 33, "split"),
+        (2, 32, 16, BF16, 40, "head_rows"),
+        (1, 256, 16, F32, 21, "cpu_vec"),
+        (2, 96, 32, BF16, 50, "token"),
+    ],
+)
 def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
     n = 160
     gen = torch.Generator().manual_seed(count)
@@ -272,16 +288,19 @@ def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
     _same_storage(c, ref)
 
 
-@parametrize("hkv,d,bs,ps,dtype,ranges,layout,kt_dtype", [
-    (3, 64, 16, 4, F32, [(0, 37), (96, 150)], "split", AUTO),
-    (2, 128, 32, 8, BF16, [(0, 64), (64, 131)], "cpu_vec", AUTO),
-    (1, 64, 16, 1, F32, [(5, 20)], "token", AUTO),
-    (2, 80, 16, 2, F16, [(0, 37), (96, 150)], "split", FP8),
-    (1, 64, 32, 8, F32, [(0, 64), (64, 131)], "cpu_vec", FP8),
-    (2, 32, 16, 4, BF16, [(0, 37), (96, 150)], "token", FP8),
-    (1, 96, 16, 16, F16, [(0, 64), (64, 131)], "head_rows", AUTO),
-    (1, 256, 16, 4, F32, [(8, 45)], "split", FP8),
-])
+@parametrize(
+    "hkv,d,bs,ps,dtype,ranges,layout,kt_dtype",
+    [
+        (3, 64, 16, 4, F32, [(0, 37), (96, 150)], "split", AUTO),
+        (2, 128, 32, 8, BF16, [(0, 64), (64, 131)], "cpu_vec", AUTO),
+        (1, 64, 16, 1, F32, [(5, 20)], "token", AUTO),
+        (2, 80, 16, 2, F16, [(0, 37), (96, 150)], "split", FP8),
+        (1, 64, 32, 8, F32, [(0, 64), (64, 131)], "cpu_vec", FP8),
+        (2, 32, 16, 4, BF16, [(0, 37), (96, 150)], "token", FP8),
+        (1, 96, 16, 16, F16, [(0, 64), (64, 131)], "head_rows", AUTO),
+        (1, 256, 16, 4, F32, [(8, 45)], "split", FP8),
+    ],
+)
 def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges, layout, kt_dtype):
     n = 160
     gen = torch.Generator().manual_seed(ps)
@@ -309,17 +328,20 @@ def _pooled_ref_topk_ok(pooled, chosen, protect_from, tol):
         assert lo_in >= hi_out - tol, (h, float(lo_in), float(hi_out))
 
 
-@parametrize("n,hkv,g,d,bs,ps,dtype,budget,layout,kt_dtype", [
-    (330, 3, 3, 64, 16, 4, F32, 100, "cpu_vec", AUTO),
-    (260, 2, 4, 128, 32, 8, BF16, 120, "token", AUTO),
-    (256, 2, 3, 64, 16, 2, F32, 90, "head_rows", AUTO),  # fills its last block exactly
-    (200, 2, 2, 64, 16, 4, BF16, 80, "split", FP8),
-    # other FLASH_ATTN head sizes
-    (150, 2, 2, 32, 16, 4, BF16, 70, "token", FP8),
-    (140, 1, 3, 80, 16, 2, F16, 60, "cpu_vec", AUTO),
-    (130, 2, 2, 96, 16, 8, F32, 50, "head_rows", AUTO),
-    (120, 1, 2, 256, 16, 4, BF16, 60, "split", FP8),
-])
+@parametrize(
+    "n,hkv,g,d,bs,ps,dtype,budget,layout,kt_dtype",
+    [
+        (330, 3, 3, 64, 16, 4, F32, 100, "cpu_vec", AUTO),
+        (260, 2, 4, 128, 32, 8, BF16, 120, "token", AUTO),
+        (256, 2, 3, 64, 16, 2, F32, 90, "head_rows", AUTO),  # fills its last block exactly
+        (200, 2, 2, 64, 16, 4, BF16, 80, "split", FP8),
+        # other FLASH_ATTN head sizes
+        (150, 2, 2, 32, 16, 4, BF16, 70, "token", FP8),
+        (140, 1, 3, 80, 16, 2, F16, 60, "cpu_vec", AUTO),
+        (130, 2, 2, 96, 16, 8, F32, 50, "head_rows", AUTO),
+        (120, 1, 2, 256, 16, 4, BF16, 60, "split", FP8),
+    ],
+)
 def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
     gen = torch.Generator().manual_seed(n)
     c = Cache(n // bs + 4, hkv, d, bs, ps, dtype, layout, kt_dtype=kt_dtype)
@@ -333,14 +355,14 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
     pooled = pool_scores(window_attention_scores(q, keys, scale), kernel).cpu()
 
     before = c.clone()
-    kept = triton_ops.snapkv_compress(c.k, c.v, c.kt, row, q, n, budget, tail_start,
-                                      kernel, ps, scale)
+    kept = triton_ops.snapkv_compress(
+        c.k, c.v, c.kt, row, q, n, budget, tail_start, kernel, ps, scale
+    )
     assert kept.shape == (hkv, budget)
     num_select = budget - (n - protect_from)
     chosen = kept[:, :num_select].cpu()
     assert bool((chosen[:, 1:] > chosen[:, :-1]).all())
-    assert torch.equal(kept[:, num_select:].cpu(),
-                       torch.arange(protect_from, n).expand(hkv, -1))
+    assert torch.equal(kept[:, num_select:].cpu(), torch.arange(protect_from, n).expand(hkv, -1))
     # Pooled scores have plateaus: ties may be broken differently.
     _pooled_ref_topk_ok(pooled, chosen, protect_from, tol=1e-5 + 1e-4 * float(pooled.max()))
     # The cache holds exactly what the reference moves for these positions.
@@ -351,8 +373,10 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
     _same_storage(c, before)
 
 
-@parametrize("n,ps,layout,kt_dtype", [(200, 4, "cpu_vec", AUTO), (192, 2, "token", AUTO),
-                                       (136, 8, "head_rows", FP8)])
+@parametrize(
+    "n,ps,layout,kt_dtype",
+    [(200, 4, "cpu_vec", AUTO), (192, 2, "token", AUTO), (136, 8, "head_rows", FP8)],
+)
 def test_snapkv_compress_without_eviction(n, ps, layout, kt_dtype):
     """prompt_budget == n (rocketkv.evict=false): everything kept, nothing
     moved, KT pages written over the whole prompt."""
@@ -363,8 +387,7 @@ def test_snapkv_compress_without_eviction(n, ps, layout, kt_dtype):
     c.fill(row, 0, n, gen)
     q = torch.randn(16, hkv * g, d, generator=gen).to(DEVICE)
     ref = c.clone()
-    kept = triton_ops.snapkv_compress(c.k, c.v, c.kt, row, q, n, n, n // bs * bs, 7, ps,
-                                      d**-0.5)
+    kept = triton_ops.snapkv_compress(c.k, c.v, c.kt, row, q, n, n, n // bs * bs, 7, ps, d**-0.5)
     assert torch.equal(kept.cpu(), torch.arange(n).expand(hkv, n))
     paged.write_kt_pages(ref.k, ref.kt, row, 0, n, ps)
     _same_storage(c, ref)
@@ -374,8 +397,7 @@ def test_snapkv_compress_without_eviction(n, ps, layout, kt_dtype):
 # Decode kernels
 
 
-def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True, layout="token",
-                  kt_dtype=AUTO):
+def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True, layout="token", kt_dtype=AUTO):
     """Requests already compressed: spec = (num_compact, tail_start, seq_len)
     (seq_len 0: a padding row). View slots get random K/V and KT pages;
     everything outside the views is NaN (KT pages outside too)."""
@@ -430,8 +452,9 @@ def _queries_without_channel_ties(batch, hkv, g, d, dtype, topr, gen):
     while True:
         q = torch.randn(batch, hkv * g, d, generator=gen).to(dtype)
         sums = q.float().view(batch, hkv, g, d).abs().sum(2).sort(-1, descending=True).values
-        if all(r >= d or bool((sums[b, :, r - 1] > sums[b, :, r]).all())
-               for b, r in enumerate(topr)):
+        if all(
+            r >= d or bool((sums[b, :, r - 1] > sums[b, :, r]).all()) for b, r in enumerate(topr)
+        ):
             return q.to(DEVICE)
 
 
@@ -454,37 +477,51 @@ def _page_tokens(starts, nc, ts, seq, ps):
     return (end - starts).clamp(0, ps).cpu()
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,force,impl,layout,kt_dtype", [
-    (3, 3, 64, 16, 4, F32, False, "triton", "token", AUTO),
-    (2, 4, 128, 32, 8, BF16, True, "torch", "head_rows", AUTO),
-    (1, 8, 64, 16, 8, F32, True, "triton", "token", AUTO),
-    (2, 1, 64, 32, 4, F32, False, "torch", "cpu_vec", AUTO),
-    (2, 3, 64, 16, 2, F32, True, "triton", "head_rows", AUTO),
-    (3, 3, 64, 16, 2, BF16, False, "torch", "split", AUTO),
-    (2, 4, 64, 16, 4, BF16, True, "triton", "token", FP8),
-    (2, 3, 80, 16, 2, F32, False, "triton", "cpu_vec", FP8),
-    (2, 2, 32, 16, 4, F16, True, "triton", "split", AUTO),
-    (1, 4, 96, 16, 4, BF16, False, "triton", "token", FP8),
-    (1, 2, 256, 16, 8, F32, True, "triton", "head_rows", AUTO),
-])
-def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, layout,
-                                      kt_dtype):
+@parametrize(
+    "hkv,g,d,bs,ps,dtype,force,impl,layout,kt_dtype",
+    [
+        (3, 3, 64, 16, 4, F32, False, "triton", "token", AUTO),
+        (2, 4, 128, 32, 8, BF16, True, "torch", "head_rows", AUTO),
+        (1, 8, 64, 16, 8, F32, True, "triton", "token", AUTO),
+        (2, 1, 64, 32, 4, F32, False, "torch", "cpu_vec", AUTO),
+        (2, 3, 64, 16, 2, F32, True, "triton", "head_rows", AUTO),
+        (3, 3, 64, 16, 2, BF16, False, "torch", "split", AUTO),
+        (2, 4, 64, 16, 4, BF16, True, "triton", "token", FP8),
+        (2, 3, 80, 16, 2, F32, False, "triton", "cpu_vec", FP8),
+        (2, 2, 32, 16, 4, F16, True, "triton", "split", AUTO),
+        (1, 4, 96, 16, 4, BF16, False, "triton", "token", FP8),
+        (1, 2, 256, 16, 8, F32, True, "triton", "head_rows", AUTO),
+    ],
+)
+def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, layout, kt_dtype):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
     topr = [d, 16, 16, 5]
     topk = [8 * ps, 3 * ps, 4 * ps, 100 * ps]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=hkv * g, layout=layout,
-                            kt_dtype=kt_dtype)
+    c, rows = _decode_batch(
+        hkv, d, bs, ps, dtype, specs, seed=hkv * g, layout=layout, kt_dtype=kt_dtype
+    )
     max_pages = 48
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(len(specs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
     # Entries past a row's pages are never written: they keep the sentinel.
     sentinel = torch.full((len(specs), hkv, max_pages), 7.0, device=DEVICE)
-    probs = hsa_page_probs(q, c.kt, _table(rows), nc, ts, seq, _ints(topr), ps,
-                           max_pages, force, chunk=16 if g != 4 else None, out=sentinel)
+    probs = hsa_page_probs(
+        q,
+        c.kt,
+        _table(rows),
+        nc,
+        ts,
+        seq,
+        _ints(topr),
+        ps,
+        max_pages,
+        force,
+        chunk=16 if g != 4 else None,
+        out=sentinel,
+    )
     max_select = max(max(k // ps, 1) for k in topk)
-    sel = select_pages(probs, max_select, nc, ts, seq, _ints(topk), ps, impl,
-                       force).cpu()
+    sel = select_pages(probs, max_select, nc, ts, seq, _ints(topk), ps, impl, force).cpu()
     probs = probs.cpu()
     for b, (n_c, t_s, s_l) in enumerate(specs):
         if s_l <= 0:
@@ -492,8 +529,7 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
             continue
         kmin, kmax, starts = _view_kt(c, rows[b], n_c, t_s, s_l)
         num_pages = starts.numel()
-        ref = _ref_probs(q[b], kmin, kmax, topr[b],
-                         _page_tokens(starts, n_c, t_s, s_l, ps)).cpu()
+        ref = _ref_probs(q[b], kmin, kmax, topr[b], _page_tokens(starts, n_c, t_s, s_l, ps)).cpu()
         got = probs[b, :, :num_pages].clone()
         assert bool((probs[b, :, num_pages:] == 7.0).all())
         cur = num_pages - 1  # the newest token's page is the view's last
@@ -505,8 +541,7 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
         n_use = min(max(topk[b] // ps, 1) + int(force), num_pages)
         assert sel.shape[-1] >= n_use
         for h in range(hkv):
-            _check_selection(sel[b, h, :n_use], ref[h], num_pages,
-                             cur if force else None)
+            _check_selection(sel[b, h, :n_use], ref[h], num_pages, cur if force else None)
 
 
 def _check_selection(chosen, ref_probs, num_pages, forced=None, tol=1e-6):
@@ -534,10 +569,15 @@ def test_select_pages_with_ties(impl):
     ps, hkv = 4, 3
     # the last two: ~12k and ~20k pages (3 and 5 chunks of the select kernel;
     # torch.topk took rows past 16,384 pages before it read rows in chunks)
-    specs = [(40, 64, 100), (0, 0, 0), (8, 16, 17), (400, 512, 600),
-             (4000, 4096, 48000), (4000, 4096, 80000)]
-    num_pages = [paged.view_page_starts(*s, ps, "cpu").numel() if s[2] else 0
-                 for s in specs]
+    specs = [
+        (40, 64, 100),
+        (0, 0, 0),
+        (8, 16, 17),
+        (400, 512, 600),
+        (4000, 4096, 48000),
+        (4000, 4096, 80000),
+    ]
+    num_pages = [paged.view_page_starts(*s, ps, "cpu").numel() if s[2] else 0 for s in specs]
     max_pages = max(num_pages) + 3
     probs = torch.full((len(specs), hkv, max_pages), -1.0)
     for b, n in enumerate(num_pages):
@@ -589,17 +629,20 @@ def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
     return sparse_attention(q, keys, values, token_mask, scale)
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,splits,layout", [
-    (3, 3, 64, 16, 4, F32, 1, "head_rows"),
-    (2, 4, 128, 32, 8, BF16, 3, "token"),
-    (1, 8, 64, 16, 8, F32, None, "cpu_vec"),
-    (4, 1, 64, 32, 4, BF16, 2, "split"),
-    (2, 3, 80, 16, 16, F16, 2, "token"),
-    (2, 3, 64, 16, 2, F32, 2, "head_rows"),
-    (2, 2, 32, 16, 4, BF16, None, "cpu_vec"),
-    (1, 4, 96, 16, 8, F32, 2, "split"),
-    (1, 3, 256, 16, 4, BF16, 1, "token"),
-])
+@parametrize(
+    "hkv,g,d,bs,ps,dtype,splits,layout",
+    [
+        (3, 3, 64, 16, 4, F32, 1, "head_rows"),
+        (2, 4, 128, 32, 8, BF16, 3, "token"),
+        (1, 8, 64, 16, 8, F32, None, "cpu_vec"),
+        (4, 1, 64, 32, 4, BF16, 2, "split"),
+        (2, 3, 80, 16, 16, F16, 2, "token"),
+        (2, 3, 64, 16, 2, F32, 2, "head_rows"),
+        (2, 2, 32, 16, 4, BF16, None, "cpu_vec"),
+        (1, 4, 96, 16, 8, F32, 2, "split"),
+        (1, 3, 256, 16, 4, BF16, 1, "token"),
+    ],
+)
 def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33)]
     topk = [6 * ps, 2 * ps, ps, 100 * ps]
@@ -616,9 +659,21 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     scale = d**-0.5
     nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
     for extra in (0, 1):  # 1: a forced page on top of the top-k entries
-        out = sparse_decode(q, c.k, c.v, _table(rows), sel.to(DEVICE), nc, ts, seq,
-                            _ints(topk), ps, scale, num_splits=splits,
-                            extra_pages=extra)
+        out = sparse_decode(
+            q,
+            c.k,
+            c.v,
+            _table(rows),
+            sel.to(DEVICE),
+            nc,
+            ts,
+            seq,
+            _ints(topk),
+            ps,
+            scale,
+            num_splits=splits,
+            extra_pages=extra,
+        )
         assert out.dtype == dtype and bool(out.isfinite().all())
         for b, (n_c, t_s, s_l) in enumerate(specs):
             if s_l <= 0:
@@ -630,16 +685,19 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
             _close(out[b], ref, dtype, msg=f"row {b} extra {extra}")
 
 
-@parametrize("hkv,g,d,bs,dtype,splits,layout", [
-    (3, 3, 64, 16, F32, 4, "token"),
-    (2, 4, 128, 32, BF16, None, "head_rows"),
-    (1, 8, 64, 16, BF16, 1, "cpu_vec"),
-    (2, 3, 64, 16, F16, 2, "split"),
-    (2, 2, 32, 16, BF16, 2, "token"),
-    (1, 3, 80, 16, F32, None, "head_rows"),
-    (2, 2, 96, 16, F16, 1, "cpu_vec"),
-    (1, 4, 256, 16, BF16, 3, "split"),
-])
+@parametrize(
+    "hkv,g,d,bs,dtype,splits,layout",
+    [
+        (3, 3, 64, 16, F32, 4, "token"),
+        (2, 4, 128, 32, BF16, None, "head_rows"),
+        (1, 8, 64, 16, BF16, 1, "cpu_vec"),
+        (2, 3, 64, 16, F16, 2, "split"),
+        (2, 2, 32, 16, BF16, 2, "token"),
+        (1, 3, 80, 16, F32, None, "head_rows"),
+        (2, 2, 96, 16, F16, 1, "cpu_vec"),
+        (1, 4, 256, 16, BF16, 3, "split"),
+    ],
+)
 def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
     seqs = [150, 1, 0, 77]
     gen = torch.Generator().manual_seed(g)
@@ -649,33 +707,37 @@ def test_dense_decode(hkv, g, d, bs, dtype, splits, layout):
         rows.append(c.new_row(-(-max(s, 1) // bs)))
         c.fill(rows[-1], 0, s, gen)
     q = torch.randn(len(seqs), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
-    out = dense_decode(q, c.k, c.v, _table(rows), _ints(seqs), d**-0.5, max(seqs),
-                       num_splits=splits)
+    out = dense_decode(
+        q, c.k, c.v, _table(rows), _ints(seqs), d**-0.5, max(seqs), num_splits=splits
+    )
     assert out.dtype == dtype and bool(out.isfinite().all())
     for b, s in enumerate(seqs):
         if s == 0:
             assert bool((out[b] == 0).all())
             continue
-        ref = paged.dense_attention(q[b : b + 1], torch.tensor([s - 1], device=DEVICE),
-                                    c.k, c.v, rows[b], s, d**-0.5)
+        ref = paged.dense_attention(
+            q[b : b + 1], torch.tensor([s - 1], device=DEVICE), c.k, c.v, rows[b], s, d**-0.5
+        )
         _close(out[b], ref[0], dtype, msg=f"row {b}")
 
 
-@parametrize("hkv,d,bs,ps,dtype,fused,layout,kt_dtype", [
-    (3, 64, 16, 4, F32, False, "head_rows", AUTO),
-    (2, 128, 32, 8, BF16, True, "cpu_vec", AUTO),
-    (2, 64, 16, 1, F32, True, "token", AUTO),
-    (2, 64, 16, 4, F16, True, "split", AUTO),
-    (2, 64, 16, 4, BF16, False, "token", FP8),
-    (2, 80, 32, 8, F32, True, "head_rows", FP8),
-    (2, 32, 16, 4, BF16, True, "cpu_vec", AUTO),
-    (1, 96, 16, 16, F16, False, "split", FP8),
-    (1, 256, 16, 4, F32, True, "token", AUTO),
-])
+@parametrize(
+    "hkv,d,bs,ps,dtype,fused,layout,kt_dtype",
+    [
+        (3, 64, 16, 4, F32, False, "head_rows", AUTO),
+        (2, 128, 32, 8, BF16, True, "cpu_vec", AUTO),
+        (2, 64, 16, 1, F32, True, "token", AUTO),
+        (2, 64, 16, 4, F16, True, "split", AUTO),
+        (2, 64, 16, 4, BF16, False, "token", FP8),
+        (2, 80, 32, 8, F32, True, "head_rows", FP8),
+        (2, 32, 16, 4, BF16, True, "cpu_vec", AUTO),
+        (1, 96, 16, 16, F16, False, "split", FP8),
+        (1, 256, 16, 4, F32, True, "token", AUTO),
+    ],
+)
 def test_kt_update(hkv, d, bs, ps, dtype, fused, layout, kt_dtype):
     specs = [(37, 96, 150), (64, 64, 65), (0, 0, 0), (13, 32, 40)]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=ps, layout=layout,
-                            kt_dtype=kt_dtype)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=ps, layout=layout, kt_dtype=kt_dtype)
     gen = torch.Generator().manual_seed(11)
     seqs = _ints([s[2] + (1 if s[2] else 0) for s in specs])  # one new token each
     key = torch.randn(len(specs), hkv, d, generator=gen).to(dtype).to(DEVICE)
@@ -697,37 +759,40 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused, layout, kt_dtype):
     _same_storage(c, ref)
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,force,impl,layout,kt_dtype", [
-    (3, 3, 64, 16, 4, F32, False, "auto", "head_rows", AUTO),
-    (2, 4, 128, 32, 8, BF16, True, "auto", "token", AUTO),
-    (1, 8, 64, 16, 4, BF16, False, "torch", "cpu_vec", AUTO),
-    (2, 3, 64, 16, 1, F32, True, "auto", "split", AUTO),
-    (2, 2, 128, 16, 16, F32, False, "auto", "head_rows", AUTO),
-    (2, 3, 64, 16, 2, F32, True, "auto", "token", AUTO),
-    (3, 3, 64, 32, 2, BF16, False, "torch", "head_rows", AUTO),
-    (2, 4, 64, 16, 4, BF16, True, "auto", "token", FP8),
-    (2, 3, 64, 16, 2, F32, False, "auto", "split", FP8),
-    # other FLASH_ATTN head sizes (Stage 2 end to end against the oracle)
-    (2, 2, 32, 16, 4, BF16, True, "auto", "token", FP8),
-    (1, 3, 80, 16, 4, F16, False, "auto", "cpu_vec", AUTO),
-    (2, 2, 96, 16, 16, F32, True, "auto", "head_rows", AUTO),
-    (1, 2, 160, 16, 4, BF16, False, "auto", "split", AUTO),
-    (1, 2, 192, 16, 8, F16, True, "auto", "token", FP8),
-    (1, 4, 256, 16, 4, BF16, True, "auto", "head_rows", FP8),
-])
-def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps, dtype,
-                                                               force, impl, layout,
-                                                               kt_dtype):
+@parametrize(
+    "hkv,g,d,bs,ps,dtype,force,impl,layout,kt_dtype",
+    [
+        (3, 3, 64, 16, 4, F32, False, "auto", "head_rows", AUTO),
+        (2, 4, 128, 32, 8, BF16, True, "auto", "token", AUTO),
+        (1, 8, 64, 16, 4, BF16, False, "torch", "cpu_vec", AUTO),
+        (2, 3, 64, 16, 1, F32, True, "auto", "split", AUTO),
+        (2, 2, 128, 16, 16, F32, False, "auto", "head_rows", AUTO),
+        (2, 3, 64, 16, 2, F32, True, "auto", "token", AUTO),
+        (3, 3, 64, 32, 2, BF16, False, "torch", "head_rows", AUTO),
+        (2, 4, 64, 16, 4, BF16, True, "auto", "token", FP8),
+        (2, 3, 64, 16, 2, F32, False, "auto", "split", FP8),
+        # other FLASH_ATTN head sizes (Stage 2 end to end against the oracle)
+        (2, 2, 32, 16, 4, BF16, True, "auto", "token", FP8),
+        (1, 3, 80, 16, 4, F16, False, "auto", "cpu_vec", AUTO),
+        (2, 2, 96, 16, 16, F32, True, "auto", "head_rows", AUTO),
+        (1, 2, 160, 16, 4, BF16, False, "auto", "split", AUTO),
+        (1, 2, 192, 16, 8, F16, True, "auto", "token", FP8),
+        (1, 4, 256, 16, 4, BF16, True, "auto", "head_rows", FP8),
+    ],
+)
+def test_hsa_decode_batch_matches_reference_and_stays_in_view(
+    hkv, g, d, bs, ps, dtype, force, impl, layout, kt_dtype
+):
     """End to end: KT update + scoring + selection + sparse attention. The
     kernel's cache has NaN everywhere outside the views; the reference runs
     on a copy with finite stale data there (its masked einsum is not NaN
     safe). Outputs must be finite and equal."""
     # (40, 128, 128): the prompt filled its last block, the new token opens
     # the tail block
-    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140),
-             (40, 128, 128)]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=g + ps, layout=layout,
-                            kt_dtype=kt_dtype)
+    specs = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140), (40, 128, 128)]
+    c, rows = _decode_batch(
+        hkv, d, bs, ps, dtype, specs, seed=g + ps, layout=layout, kt_dtype=kt_dtype
+    )
     clean = c.clone()
     gen = torch.Generator().manual_seed(5)
     for b, (nc, ts, seq) in enumerate(specs):
@@ -747,15 +812,29 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
     topk = [4 * ps, 2 * ps, ps, 100 * ps, 3 * ps, 2 * ps]
     topr = [d, 16, 16, 7, d // 2, 16]
     q = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
-    args = (_table(rows), *(_ints([s[i] for s in specs]) for i in (0, 1)),
-            _ints(seqs), _ints(topk), _ints(topr), ps, d**-0.5)
-    max_pages = max(paged.view_page_starts(nc, ts, sq, ps, "cpu").numel()
-                    for (nc, ts, _), sq in zip(specs, seqs)) + 3
+    args = (
+        _table(rows),
+        *(_ints([s[i] for s in specs]) for i in (0, 1)),
+        _ints(seqs),
+        _ints(topk),
+        _ints(topr),
+        ps,
+        d**-0.5,
+    )
+    max_pages = (
+        max(
+            paged.view_page_starts(nc, ts, sq, ps, "cpu").numel()
+            for (nc, ts, _), sq in zip(specs, seqs)
+        )
+        + 3
+    )
     max_select = max(max(k // ps, 1) for k in topk)
-    out = triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, max_pages, max_select,
-                                      force, select_impl=impl)
-    ref = triton_ops.hsa_decode_batch_reference(q, clean.k, clean.v, clean.kt, *args,
-                                                force_current_page=force)
+    out = triton_ops.hsa_decode_batch(
+        q, c.k, c.v, c.kt, *args, max_pages, max_select, force, select_impl=impl
+    )
+    ref = triton_ops.hsa_decode_batch_reference(
+        q, clean.k, clean.v, clean.kt, *args, force_current_page=force
+    )
     assert bool(out.isfinite().all())
     c.check_guard()
     assert bool((out[2] == 0).all())
@@ -768,20 +847,25 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(hkv, g, d, bs, ps,
             assert torch.equal(got, want)
 
 
-@parametrize("hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,sms", [
-    (2, 4, 64, 16, 4, BF16, True, "token", AUTO, 2),
-    (2, 3, 64, 16, 2, F32, False, "split", FP8, 64),
-])
-def test_hsa_decode_batch_at_cuda_graph_shapes(hkv, g, d, bs, ps, dtype, force, layout,
-                                               kt_dtype, sms):
+@parametrize(
+    "hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,sms",
+    [
+        (2, 4, 64, 16, 4, BF16, True, "token", AUTO, 2),
+        (2, 3, 64, 16, 2, F32, False, "split", FP8, 64),
+    ],
+)
+def test_hsa_decode_batch_at_cuda_graph_shapes(
+    hkv, g, d, bs, ps, dtype, force, layout, kt_dtype, sms
+):
     """The launch a FULL CUDA graph of the backend captures: max_pages and
     max_select far above every row's (fixed for any replay), rows that are
     not compressed marked seq_len 0, output written in place. Those rows
     keep what ``out`` held; the others match the reference (the kernels
     spread each row's own pages over the splits)."""
     specs = [(37, 96, 150), (0, 0, 0), (13, 32, 33), (40, 128, 140), (0, 0, 0)]
-    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=3, poison=False,
-                            layout=layout, kt_dtype=kt_dtype)
+    c, rows = _decode_batch(
+        hkv, d, bs, ps, dtype, specs, seed=3, poison=False, layout=layout, kt_dtype=kt_dtype
+    )
     seqs = [s[2] + 1 if s[2] else 0 for s in specs]
     gen = torch.Generator().manual_seed(9)
     for b, (_nc, _ts, seq) in enumerate(specs):
@@ -790,17 +874,26 @@ def test_hsa_decode_batch_at_cuda_graph_shapes(hkv, g, d, bs, ps, dtype, force, 
     topk = [4 * ps, ps, 100 * ps, 3 * ps, ps]
     topr = [d, 16, 7, d // 2, 16]
     q = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
-    args = (_table(rows), *(_ints([s[i] for s in specs]) for i in (0, 1)),
-            _ints(seqs), _ints(topk), _ints(topr), ps, d**-0.5)
-    ref = triton_ops.hsa_decode_batch_reference(q, c.k, c.v, c.kt, *args,
-                                                force_current_page=force)
+    args = (
+        _table(rows),
+        *(_ints([s[i] for s in specs]) for i in (0, 1)),
+        _ints(seqs),
+        _ints(topk),
+        _ints(topr),
+        ps,
+        d**-0.5,
+    )
+    ref = triton_ops.hsa_decode_batch_reference(q, c.k, c.v, c.kt, *args, force_current_page=force)
     graph_pages = 40 * 64 // ps  # the backend's max_model_len / page_size + 2
     out = torch.full_like(q, 7.0)
     # sms 64: many splits (scoring and attention), most with nothing to do
-    with mock.patch.object(hsa_score_module, "num_sms", lambda device: sms), \
-            mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms):
-        triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, graph_pages, graph_pages,
-                                    force, out=out, update_kt=False)
+    with (
+        mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
+        mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
+    ):
+        triton_ops.hsa_decode_batch(
+            q, c.k, c.v, c.kt, *args, graph_pages, graph_pages, force, out=out, update_kt=False
+        )
     for b, seq in enumerate(seqs):
         if seq:
             _close(out[b], ref[b], dtype, f"row {b}")
@@ -816,9 +909,18 @@ def test_hsa_decode_batch_cuda_graph():
     specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33)]
     c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=1)
     q = torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype)
-    args = (_table(rows), _ints([s[0] for s in specs]), _ints([s[1] for s in specs]),
-            _ints([s[2] for s in specs]), _ints([16] * 3), _ints([32] * 3), ps, d**-0.5,
-            40, 8)
+    args = (
+        _table(rows),
+        _ints([s[0] for s in specs]),
+        _ints([s[1] for s in specs]),
+        _ints([s[2] for s in specs]),
+        _ints([16] * 3),
+        _ints([32] * 3),
+        ps,
+        d**-0.5,
+        40,
+        8,
+    )
     eager = triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args)
     out = torch.empty_like(eager)
     stream = torch.cuda.Stream()
@@ -856,8 +958,23 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
 
     def call(out):
         return triton_ops.hsa_decode_batch(
-            q, c.k, c.v, c.kt, table, cols["nc"], cols["ts"], cols["seq"], cols["topk"],
-            cols["topr"], ps, d**-0.5, graph_pages, graph_select, True, out=out)
+            q,
+            c.k,
+            c.v,
+            c.kt,
+            table,
+            cols["nc"],
+            cols["ts"],
+            cols["seq"],
+            cols["topk"],
+            cols["topr"],
+            ps,
+            d**-0.5,
+            graph_pages,
+            graph_select,
+            True,
+            out=out,
+        )
 
     out = torch.zeros_like(q)
     stream = torch.cuda.Stream()
@@ -881,8 +998,20 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
             cols[name].copy_(_ints(v))
         clean = c.clone()
         ref = triton_ops.hsa_decode_batch_reference(
-            q, clean.k, clean.v, clean.kt, table, cols["nc"], cols["ts"], cols["seq"],
-            cols["topk"], cols["topr"], ps, d**-0.5, force_current_page=True)
+            q,
+            clean.k,
+            clean.v,
+            clean.kt,
+            table,
+            cols["nc"],
+            cols["ts"],
+            cols["seq"],
+            cols["topk"],
+            cols["topr"],
+            ps,
+            d**-0.5,
+            force_current_page=True,
+        )
         out.fill_(7.0)
         graph.replay()
         torch.cuda.synchronize()
@@ -895,6 +1024,7 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
 
 # --------------------------------------------------------------------------
 # Minimal runner for hosts without pytest.
+
 
 def _main() -> int:
     if pytest is not None and "--no-pytest" not in sys.argv:
@@ -922,8 +1052,10 @@ def _main() -> int:
             else:
                 passed += 1
                 print(f"ok   {label}")
-    print(f"{passed} passed, {failed} failed, {skipped} skipped "
-          f"in {time.time() - start:.1f}s (device {DEVICE})")
+    print(
+        f"{passed} passed, {failed} failed, {skipped} skipped "
+        f"in {time.time() - start:.1f}s (device {DEVICE})"
+    )
     return 1 if failed else 0
 
 

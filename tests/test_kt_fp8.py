@@ -26,7 +26,7 @@ def test_rows_are_the_tightest_outward_bounds(magnitude):
     kmin, kmax = keys.amin(1), keys.amax(1)
     rows = kt_fp8.encode_rows(kmin, kmax)
     assert rows.dtype == torch.uint8 and rows.shape[-1] == kt_fp8.row_bytes(64)
-    assert not rows[..., 2 * 64 + 4:].any()
+    assert not rows[..., 2 * 64 + 4 :].any()
     lo, hi = kt_fp8.decode_rows(rows, 64)
     assert torch.isfinite(lo).all() and torch.isfinite(hi).all()
     assert (lo <= kmin).all() and (hi >= kmax).all()
@@ -57,7 +57,6 @@ def test_key_by_key_update_equals_encoding_the_true_bounds(magnitude):
     rows = kt_fp8.encode_rows(keys[:, 0], keys[:, 0])
     for t in range(1, keys.shape[1]):
         lo, hi = kt_fp8.decode_rows(rows, 64)
-        rows = kt_fp8.encode_rows(torch.minimum(lo, keys[:, t]),
-                                  torch.maximum(hi, keys[:, t]))
+        rows = kt_fp8.encode_rows(torch.minimum(lo, keys[:, t]), torch.maximum(hi, keys[:, t]))
         want = kt_fp8.encode_rows(keys[:, : t + 1].amin(1), keys[:, : t + 1].amax(1))
         assert torch.equal(rows, want), t

@@ -19,8 +19,7 @@ def test_spec_counts_kt_pages_in_every_block():
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     settings = resolve_settings(parse_config({"page_size": 4}), 16, 64, 8192)
-    base = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64,
-                             dtype=torch.bfloat16)
+    base = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.bfloat16)
     spec = make_rocketkv_spec(base, settings)
     assert isinstance(spec, RocketKVAttentionSpec)
     kv = 16 * 3 * 2 * 64 * 2
@@ -30,8 +29,7 @@ def test_spec_counts_kt_pages_in_every_block():
     merged = RocketKVAttentionSpec.merge([spec, spec])
     assert merged == spec
     # fp8 KT rows: 2 * 64 one-byte codes + a 16-byte scale slot per page.
-    fp8 = resolve_settings(parse_config({"page_size": 4, "kt_dtype": "fp8_e4m3"}),
-                           16, 64, 8192)
+    fp8 = resolve_settings(parse_config({"page_size": 4, "kt_dtype": "fp8_e4m3"}), 16, 64, 8192)
     spec8 = make_rocketkv_spec(base, fp8)
     assert spec8.page_size_bytes == kv + 3 * (16 // 4) * (2 * 64 + 16)
 
@@ -52,16 +50,33 @@ def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_cachin
     prompts = _random_prompts(6, [1500, 1800, 2100, 300, 1650, 2400])
     cfg = {"prompt_budget": 256}
     caching = {"enable_prefix_caching": prefix_caching}
-    ample = bench.run_capacity(model_path, "ROCKETKV", prompts, 1 << 30,
-                               dict(cfg, free_evicted_blocks=False), max_tokens=20,
-                               max_model_len=4096, dtype="float32", engine_kw=caching)
+    ample = bench.run_capacity(
+        model_path,
+        "ROCKETKV",
+        prompts,
+        1 << 30,
+        dict(cfg, free_evicted_blocks=False),
+        max_tokens=20,
+        max_model_len=4096,
+        dtype="float32",
+        engine_kw=caching,
+    )
     # Room for ~4200 tokens with KT pages (5300 without; the engine needs one
     # max_model_len request);
     # the six prompts need about 9700.
     tight_bytes = bench.kv_bytes_for_tokens(model_path, 5300, 4)
-    tight = bench.run_capacity(model_path, "ROCKETKV", prompts, tight_bytes, cfg,
-                               testing={"poison_evicted_blocks": True}, max_tokens=20,
-                               max_model_len=4096, dtype="float32", engine_kw=caching)
+    tight = bench.run_capacity(
+        model_path,
+        "ROCKETKV",
+        prompts,
+        tight_bytes,
+        cfg,
+        testing={"poison_evicted_blocks": True},
+        max_tokens=20,
+        max_model_len=4096,
+        dtype="float32",
+        engine_kw=caching,
+    )
     assert tight.finished == ample.finished == len(prompts)
     assert tight.outputs == ample.outputs
     # The tight cache only fits everything because blocks were given back.
@@ -79,11 +94,18 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
 
     bench = _bench()
     # ~2400 tokens of cache (with KT pages) for requests needing ~9000.
-    llm = LLM(model=model_path, attention_backend="ROCKETKV", max_model_len=2304,
-              enforce_eager=True, dtype="float32", block_size=32,
-              kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
-              max_num_batched_tokens=512, max_num_seqs=8,
-              additional_config={"rocketkv": {"prompt_budget": 256}})
+    llm = LLM(
+        model=model_path,
+        attention_backend="ROCKETKV",
+        max_model_len=2304,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
+        max_num_batched_tokens=512,
+        max_num_seqs=8,
+        additional_config={"rocketkv": {"prompt_budget": 256}},
+    )
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     pool = sched.kv_cache_manager.block_pool
@@ -110,12 +132,14 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
             if out.finished:
                 finished.add(out.request_id)
         by_id = {bench.external_id(r): r for r in sched.running}
-        if not aborted_mid_prefill and "r2" in by_id and \
-                0 < by_id["r2"].num_computed_tokens < by_id["r2"].num_prompt_tokens:
+        if (
+            not aborted_mid_prefill
+            and "r2" in by_id
+            and 0 < by_id["r2"].num_computed_tokens < by_id["r2"].num_prompt_tokens
+        ):
             engine.abort_request(["r2"])
             aborted_mid_prefill = True
-        if not aborted_mid_decode and "r0" in by_id and \
-                by_id["r0"].num_output_tokens >= 5:
+        if not aborted_mid_decode and "r0" in by_id and by_id["r0"].num_output_tokens >= 5:
             engine.abort_request(["r0"])
             aborted_mid_decode = True
     assert not engine.has_unfinished_requests()

@@ -1,5 +1,5 @@
-"""The bounded load test (scripts/load_test.py, rocketkv_eval.load_test), small: vLLM's default backend
-and ROCKETKV, each a real OpenAI server, 8 streamed completions from 4
+"""The bounded load test (scripts/load_test.py, rocketkv_eval.load_test), small:
+vLLM's default backend and ROCKETKV, each a real OpenAI server, 8 streamed completions from 4
 concurrent clients, half of them prompts longer than ROCKETKV's budget.
 
 Both servers start at once (``--prestart``; the loads still run one after
@@ -23,8 +23,18 @@ def _load_test_module():
 
 def test_prompt_mix_is_seeded_and_exact(tokenizer):
     mod = _load_test_module()
-    args = mod.parse_args(["--requests", "6", "--long-tokens", "1200",
-                           "--long-fraction", "0.5", "--max-model-len", "2048"])
+    args = mod.parse_args(
+        [
+            "--requests",
+            "6",
+            "--long-tokens",
+            "1200",
+            "--long-fraction",
+            "0.5",
+            "--max-model-len",
+            "2048",
+        ]
+    )
     a = mod.build_prompts(tokenizer, args)
     b = mod.build_prompts(tokenizer, args)
     assert [p.token_ids for p in a] == [p.token_ids for p in b]
@@ -37,9 +47,11 @@ def test_prompt_mix_is_seeded_and_exact(tokenizer):
 
 def test_parse_metrics_sums_labelled_samples():
     mod = _load_test_module()
-    text = ('# HELP x\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
-            'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
-            'rocketkv:prompts_compressed_total{engine="0"} 4\n')
+    text = (
+        '# HELP x\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        'rocketkv:prompts_compressed_total{engine="0"} 4\n'
+    )
     got = mod.parse_metrics(text)
     assert got["vllm:num_requests_running"] == 5.0
     assert got["rocketkv:prompts_compressed_total"] == 4.0
@@ -48,13 +60,35 @@ def test_parse_metrics_sums_labelled_samples():
 def test_small_load_dense_and_rocketkv(model_path, tmp_path):
     mod = _load_test_module()
     out = tmp_path / "load.json"
-    code = mod.main([
-        "--backends", "dense,rocketkv", "--rocketkv", '{"prompt_budget": 256}',
-        "--model", model_path, "--concurrency", "4", "--requests", "8",
-        "--long-tokens", "1200", "--max-tokens", "16", "--max-model-len", "2048",
-        "--dtype", "float32", "--request-timeout", "300", "--prestart",
-        "--log-dir", str(tmp_path / "logs"), "--json", str(out),
-    ])
+    code = mod.main(
+        [
+            "--backends",
+            "dense,rocketkv",
+            "--rocketkv",
+            '{"prompt_budget": 256}',
+            "--model",
+            model_path,
+            "--concurrency",
+            "4",
+            "--requests",
+            "8",
+            "--long-tokens",
+            "1200",
+            "--max-tokens",
+            "16",
+            "--max-model-len",
+            "2048",
+            "--dtype",
+            "float32",
+            "--request-timeout",
+            "300",
+            "--prestart",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["lost"] == 0

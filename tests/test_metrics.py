@@ -26,8 +26,8 @@ def _fake_vllm_config(backend, rocketkv=ROCKETKV, block_size=16):
         additional_config={"rocketkv": rocketkv},
         cache_config=SimpleNamespace(block_size=block_size),
         model_config=SimpleNamespace(
-            served_model_name="m", max_model_len=4096,
-            get_head_size=lambda: 64),
+            served_model_name="m", max_model_len=4096, get_head_size=lambda: 64
+        ),
         instance_id="test-metrics",
     )
 
@@ -84,8 +84,7 @@ def test_stat_logger_counts_what_the_plan_predicts():
     from rocketkv_vllm.plugin import register
 
     register()
-    stat_logger = RocketKVStatLogger(
-        _fake_vllm_config(AttentionBackendEnum.CUSTOM), [0, 1])
+    stat_logger = RocketKVStatLogger(_fake_vllm_config(AttentionBackendEnum.CUSTOM), [0, 1])
     assert stat_logger.enabled
     settings = resolve_settings(parse_config(ROCKETKV), 16, 64, 4096)
     assert stat_logger.settings == settings
@@ -99,11 +98,12 @@ def test_stat_logger_counts_what_the_plan_predicts():
         stat_logger.record(None, stats, engine_idx=0)
 
     # Prefill outputs (first token), then 3 decode steps for each request.
-    step(RequestOutputFact("a", long_n, True, 1, 1),
-         RequestOutputFact("b", short_n, True, 1, 1))
+    step(RequestOutputFact("a", long_n, True, 1, 1), RequestOutputFact("b", short_n, True, 1, 1))
     for g in (2, 3, 4):
-        step(RequestOutputFact("a", long_n, False, 1, g),
-             RequestOutputFact("b", short_n, False, 1, g))
+        step(
+            RequestOutputFact("a", long_n, False, 1, g),
+            RequestOutputFact("b", short_n, False, 1, g),
+        )
     stat_logger.record(None, None, engine_idx=0)  # scheduler-only update
 
     start, end = plan.freed_block_range(16)
@@ -112,23 +112,20 @@ def test_stat_logger_counts_what_the_plan_predicts():
     assert _sample("rocketkv:prompt_tokens_evicted_total") == long_n - plan.prompt_budget
     assert _sample("rocketkv:kv_blocks_freed_total") == end - start
     assert _sample("rocketkv:kept_fraction_count") == 1
-    assert _sample("rocketkv:kept_fraction_sum") == pytest.approx(
-        plan.prompt_budget / long_n)
+    assert _sample("rocketkv:kept_fraction_sum") == pytest.approx(plan.prompt_budget / long_n)
     want = [_attended(plan, long_n + g - 1, settings.page_size) for g in (2, 3, 4)]
     assert _sample("rocketkv:decode_tokens_attended_count") == 3
     assert _sample("rocketkv:decode_tokens_attended_sum") == sum(want)
-    assert _sample("rocketkv:decode_context_tokens_total") == sum(
-        long_n + g - 1 for g in (2, 3, 4))
-    assert _sample("rocketkv:prompts_compressed_total",
-                   {"model_name": "m", "engine": "1"}) == 0
-    info = _sample("rocketkv:config_info", {
-        "model_name": "m", "engine": "0",
-        **{k: str(v) for k, v in settings.as_dict().items()}})
+    assert _sample("rocketkv:decode_context_tokens_total") == sum(long_n + g - 1 for g in (2, 3, 4))
+    assert _sample("rocketkv:prompts_compressed_total", {"model_name": "m", "engine": "1"}) == 0
+    info = _sample(
+        "rocketkv:config_info",
+        {"model_name": "m", "engine": "0", **{k: str(v) for k, v in settings.as_dict().items()}},
+    )
     assert info == 1
     # Every page selected while the view is small; capped by the view.
     small = plan_request(settings, 300)
-    assert decode_tokens_attended(settings, small, 301) == _attended(
-        small, 301, settings.page_size)
+    assert decode_tokens_attended(settings, small, 301) == _attended(small, 301, settings.page_size)
 
 
 def test_stat_logger_follows_each_requests_own_budget():
@@ -143,16 +140,20 @@ def test_stat_logger_follows_each_requests_own_budget():
     stat_logger = RocketKVStatLogger(_fake_vllm_config(AttentionBackendEnum.CUSTOM), [0])
     settings = stat_logger.settings
     n = 3000
-    stats = SimpleNamespace(_rocketkv_outputs=[
-        RequestOutputFact("off", n, True, 1, 1, token_budget=0),
-        RequestOutputFact("own", n, True, 1, 1, token_budget=1024),
-        RequestOutputFact("engine", n, True, 1, 1)])
+    stats = SimpleNamespace(
+        _rocketkv_outputs=[
+            RequestOutputFact("off", n, True, 1, 1, token_budget=0),
+            RequestOutputFact("own", n, True, 1, 1, token_budget=1024),
+            RequestOutputFact("engine", n, True, 1, 1),
+        ]
+    )
     stat_logger.record(None, stats, engine_idx=0)
     own, engine = plan_request(settings, n, 1024), plan_request(settings, n)
     assert own.prompt_budget > engine.prompt_budget
     assert _sample("rocketkv:prompts_compressed_total") == 2
     assert _sample("rocketkv:prompt_tokens_evicted_total") == (
-        2 * n - own.prompt_budget - engine.prompt_budget)
+        2 * n - own.prompt_budget - engine.prompt_budget
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -189,10 +190,16 @@ def test_server_exports_rocketkv_counters(metrics_server, tokenizer):
 
     words = " ".join(f"item{i % 97}" for i in range(4000))
     long_ids = tokenizer(words)["input_ids"][:3000]
-    outs = [client.completions.create(model=srv.model, prompt=prompt,
-                                      max_tokens=max_tokens, temperature=0,
-                                      extra_body={"ignore_eos": True})
-            for prompt, max_tokens in ((long_ids, 6), ("The capital of France is", 4))]
+    outs = [
+        client.completions.create(
+            model=srv.model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        for prompt, max_tokens in ((long_ids, 6), ("The capital of France is", 4))
+    ]
     usage = [(o.usage.prompt_tokens, o.usage.completion_tokens) for o in outs]
     assert usage[0] == (3000, 6) and usage[1][1] == 4
 
@@ -207,30 +214,37 @@ def test_server_exports_rocketkv_counters(metrics_server, tokenizer):
     deadline = time.time() + 30  # the frontend may record after responding
     while True:
         text = srv.metrics()
-        if (metric_value(text, "rocketkv:decode_tokens_attended_count") >= len(steps)
-                or time.time() > deadline):
+        if (
+            metric_value(text, "rocketkv:decode_tokens_attended_count") >= len(steps)
+            or time.time() > deadline
+        ):
             break
         time.sleep(0.5)
     assert metric_value(text, "rocketkv:prompts_compressed_total") == 1
-    assert metric_value(text, "rocketkv:prompt_tokens_evicted_total") == (
-        3000 - plan.prompt_budget)
+    assert metric_value(text, "rocketkv:prompt_tokens_evicted_total") == (3000 - plan.prompt_budget)
     assert metric_value(text, "rocketkv:kv_blocks_freed_total") == end - start > 0
     assert metric_value(text, "rocketkv:kept_fraction_count") == 1
     assert metric_value(text, "rocketkv:kept_fraction_sum") == pytest.approx(
-        plan.prompt_budget / 3000)
+        plan.prompt_budget / 3000
+    )
     assert metric_value(text, "rocketkv:decode_tokens_attended_count") == len(steps)
     assert metric_value(text, "rocketkv:decode_tokens_attended_sum") == sum(
-        _attended(plan, s, settings.page_size) for s in steps)
+        _attended(plan, s, settings.page_size) for s in steps
+    )
     assert metric_value(text, "rocketkv:decode_context_tokens_total") == sum(steps)
     # The frontend's settings are the engine's.
     [(info, one)] = metric_samples(text, "rocketkv:config_info")
-    assert one == 1 and info == {"model_name": srv.model, "engine": "0",
-                                 **{k: str(v) for k, v in settings.as_dict().items()}}
+    assert one == 1 and info == {
+        "model_name": srv.model,
+        "engine": "0",
+        **{k: str(v) for k, v in settings.as_dict().items()},
+    }
     # Next to vLLM's own metrics, with the same labels.
     assert "vllm:num_requests_running{" in text
     for name in ("rocketkv:prompts_compressed_total", "vllm:prompt_tokens_total"):
         assert [labels for labels, _ in metric_samples(text, name)] == [
-            {"model_name": srv.model, "engine": "0"}]
+            {"model_name": srv.model, "engine": "0"}
+        ]
 
     # The same prompt again: vLLM's prefix cache serves all of it but the
     # observation window and the block holding the prompt's end; ROCKETKV's
@@ -238,21 +252,29 @@ def test_server_exports_rocketkv_counters(metrics_server, tokenizer):
     # account, published with its stats).
     assert metric_value(text, "rocketkv:prefix_tokens_recomputed_total") == 0
     hits = metric_value(text, "vllm:prefix_cache_hits_total")
-    again = client.completions.create(model=srv.model, prompt=long_ids, max_tokens=6,
-                                      temperature=0, extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=srv.model,
+        prompt=long_ids,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert again.choices[0].text == outs[0].choices[0].text
     bs, w = settings.block_size, settings.window_size
     capped = (3000 - w) // bs * bs
     deadline = time.time() + 30
     while True:
         text = srv.metrics()
-        if (metric_value(text, "rocketkv:prefix_tokens_recomputed_total") > 0
-                or time.time() > deadline):
+        if (
+            metric_value(text, "rocketkv:prefix_tokens_recomputed_total") > 0
+            or time.time() > deadline
+        ):
             break
         time.sleep(0.5)
     assert metric_value(text, "vllm:prefix_cache_hits_total") - hits == capped
     assert metric_value(text, "rocketkv:prefix_tokens_recomputed_total") == (
-        (3000 - 1) // bs * bs - capped)
+        (3000 - 1) // bs * bs - capped
+    )
 
 
 @pytest.mark.engine

@@ -14,20 +14,32 @@ from rocketkv_vllm import paged
 ops = pytest.importorskip("vllm._custom_ops")
 from rocketkv_vllm.backend.native import cpu_kv_layout  # noqa: E402
 
-
 AMX = torch.cpu._is_amx_tile_supported()
 
 
-@pytest.mark.parametrize("dtype,isa,bs,expected", [
-    (torch.float32, "vec", 32, "cpu_vec"),
-    (torch.bfloat16, "vec", 32, "cpu_vec"),
-    (torch.float32, "vec16", 16, "cpu_vec"),
-    (torch.bfloat16, "vec16", 16, "cpu_vec"),
-    pytest.param(torch.bfloat16, "amx", 32, "cpu_amx",
-                 marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU")),
-    pytest.param(torch.bfloat16, "amx", 64, "cpu_amx",
-                 marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU")),
-])
+@pytest.mark.parametrize(
+    "dtype,isa,bs,expected",
+    [
+        (torch.float32, "vec", 32, "cpu_vec"),
+        (torch.bfloat16, "vec", 32, "cpu_vec"),
+        (torch.float32, "vec16", 16, "cpu_vec"),
+        (torch.bfloat16, "vec16", 16, "cpu_vec"),
+        pytest.param(
+            torch.bfloat16,
+            "amx",
+            32,
+            "cpu_amx",
+            marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU"),
+        ),
+        pytest.param(
+            torch.bfloat16,
+            "amx",
+            64,
+            "cpu_amx",
+            marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU"),
+        ),
+    ],
+)
 def test_native_kernel_reads_what_our_views_hold(dtype, isa, bs, expected):
     hkv, g, d, num_blocks, n = 3, 3, 64, 12, 150
     layout = cpu_kv_layout(isa, dtype, d, bs)
@@ -50,18 +62,37 @@ def test_native_kernel_reads_what_our_views_hold(dtype, isa, bs, expected):
     qsl = torch.tensor([0, 1], dtype=torch.int32)
     seq = torch.tensor([n], dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=hkv * g, num_kv_heads=hkv, head_dim=d, seq_lens=seq,
-        dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1,
-        isa=isa, enable_kv_split=False)
+        num_reqs=1,
+        num_heads=hkv * g,
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=seq,
+        dtype=dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     # CPU_ATTN's forward hands its kernel each head's block as [2 * bs, d] halves.
     rows = kv.view(num_blocks, hkv, 2 * bs, d)
     ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=rows[:, :, :bs], value_cache=rows[:, :, bs:], output=out,
-        query_start_loc=qsl, seq_lens=seq, scale=d**-0.5, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=row[None].int(),
-        softcap=0, scheduler_metadata=meta, s_aux=None)
-    ref = paged.dense_attention(q, torch.tensor([n - 1]), k_cache, v_cache, row, n,
-                                d**-0.5)
+        query=q,
+        key_cache=rows[:, :, :bs],
+        value_cache=rows[:, :, bs:],
+        output=out,
+        query_start_loc=qsl,
+        seq_lens=seq,
+        scale=d**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=row[None].int(),
+        softcap=0,
+        scheduler_metadata=meta,
+        s_aux=None,
+    )
+    ref = paged.dense_attention(q, torch.tensor([n - 1]), k_cache, v_cache, row, n, d**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
@@ -85,8 +116,7 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
     outs = []
     for layout in ("token", "cpu_amx"):
         storage = torch.zeros(num_blocks * block_elems, dtype=torch.bfloat16)
-        kv = storage.as_strided((num_blocks, hkv, bs, 2 * d),
-                                (block_elems, bs * 2 * d, 2 * d, 1))
+        kv = storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1))
         k, v = paged.split_kv(kv, layout)
         kt = paged.kt_cache_view(kv, ps)
         paged.write_kv(k, v, keys, values, slots)
@@ -97,8 +127,20 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
         max_pages = int(-(-nc // ps) + -(-(seq - ts) // ps))
         view = batched.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
         out = batched.hsa_decode_batch(
-            query, k, v, kt, row[None].int(), seq, view, torch.tensor([32]),
-            torch.tensor([8]), 8, ps, d**-0.5, True)
+            query,
+            k,
+            v,
+            kt,
+            row[None].int(),
+            seq,
+            view,
+            torch.tensor([32]),
+            torch.tensor([8]),
+            8,
+            ps,
+            d**-0.5,
+            True,
+        )
         # Read back every kept token through the views.
         kept_k, kept_v = paged.gather_kv(k, v, row, torch.arange(int(nc)))
         outs.append((out, kept_k, kept_v))
@@ -121,6 +163,10 @@ def test_whole_block_reads_match_per_token_reads(layout):
         for cache in (k, v):
             out = torch.empty(3, hkv, bs, d, dtype=torch.float64)
             cache.read_blocks_into(row[:3].long(), out)
-            want = torch.stack([cache[row[i].long().expand(bs), :, torch.arange(bs)]
-                                .transpose(0, 1) for i in range(3)])
+            want = torch.stack(
+                [
+                    cache[row[i].long().expand(bs), :, torch.arange(bs)].transpose(0, 1)
+                    for i in range(3)
+                ]
+            )
             assert torch.equal(out, want.double())

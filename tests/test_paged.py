@@ -7,15 +7,17 @@ from rocketkv_vllm import paged
 from rocketkv_vllm.algorithm import hsa_select_pages, snapkv_keep_positions, sparse_attention
 
 
-def _make_request(n_tokens, hkv, d, bs, ps, num_blocks=64, seed=0, dtype=torch.float32,
-                  layout="token"):
+def _make_request(
+    n_tokens, hkv, d, bs, ps, num_blocks=64, seed=0, dtype=torch.float32, layout="token"
+):
     g = torch.Generator().manual_seed(seed)
     kv_width = 2 * d
     pages = bs // ps
     block_elems = hkv * bs * kv_width + hkv * pages * kv_width
     storage = torch.full((num_blocks * block_elems,), float("nan"), dtype=dtype)
-    kv_cache = torch.as_strided(storage, (num_blocks, hkv, bs, kv_width),
-                                (block_elems, bs * kv_width, kv_width, 1))
+    kv_cache = torch.as_strided(
+        storage, (num_blocks, hkv, bs, kv_width), (block_elems, bs * kv_width, kv_width, 1)
+    )
     kt_cache = paged.kt_cache_view(kv_cache, ps)
     k_cache, v_cache = paged.split_kv(kv_cache, layout)
     blocks_needed = -(-n_tokens // bs) + 4
@@ -28,17 +30,19 @@ def _make_request(n_tokens, hkv, d, bs, ps, num_blocks=64, seed=0, dtype=torch.f
     return k_cache, v_cache, kt_cache, block_row, keys, values
 
 
-@pytest.mark.parametrize("n,hkv,g,d,bs,ps,layout,force", [
-    (1000, 3, 3, 64, 16, 4, "token", False),
-    (1000, 3, 3, 64, 32, 4, "head_rows", True),
-    (777, 2, 4, 128, 32, 8, "head_rows", False),
-    (513, 1, 1, 64, 16, 1, "token", True),
-    (512, 2, 3, 64, 16, 4, "token", True),  # the prompt fills its last block
-    (640, 3, 3, 64, 32, 2, "head_rows", False),  # exactly, page size 2
-])
+@pytest.mark.parametrize(
+    "n,hkv,g,d,bs,ps,layout,force",
+    [
+        (1000, 3, 3, 64, 16, 4, "token", False),
+        (1000, 3, 3, 64, 32, 4, "head_rows", True),
+        (777, 2, 4, 128, 32, 8, "head_rows", False),
+        (513, 1, 1, 64, 16, 1, "token", True),
+        (512, 2, 3, 64, 16, 4, "token", True),  # the prompt fills its last block
+        (640, 3, 3, 64, 32, 2, "head_rows", False),  # exactly, page size 2
+    ],
+)
 def test_compress_then_decode_matches_unpaged(n, hkv, g, d, bs, ps, layout, force):
-    kc, vc, kt, row, keys, values = _make_request(n, hkv, d, bs, ps, seed=n,
-                                                  layout=layout)
+    kc, vc, kt, row, keys, values = _make_request(n, hkv, d, bs, ps, seed=n, layout=layout)
     w, budget, scale = 32, 202, d**-0.5
     q_win = torch.randn(w, hkv * g, d)
     tail_start = n // bs * bs
@@ -63,16 +67,21 @@ def test_compress_then_decode_matches_unpaged(n, hkv, g, d, bs, ps, layout, forc
     new_v = torch.randn(6, hkv, d)
     for step in range(6):
         pos = n + step
-        paged.write_kv(kc, vc, new_k[step : step + 1], new_v[step : step + 1],
-                       (row[pos // bs] * bs + pos % bs).view(1))
+        paged.write_kv(
+            kc,
+            vc,
+            new_k[step : step + 1],
+            new_v[step : step + 1],
+            (row[pos // bs] * bs + pos % bs).view(1),
+        )
         q = torch.randn(hkv * g, d)
         tail_keys = torch.cat([keys[tail_start:n], new_k[: step + 1]])
         tail_vals = torch.cat([values[tail_start:n], new_v[: step + 1]])
         for topk in (ps, 4 * ps, 10_000):
-            out = paged.hsa_decode(q, kc, vc, kt, row, num_compact, tail_start, pos + 1,
-                                   topk, 16, ps, scale, force)
-            ref = _unpaged_hsa(q, view_k, view_v, tail_keys, tail_vals, ps, topk, 16,
-                               scale, force)
+            out = paged.hsa_decode(
+                q, kc, vc, kt, row, num_compact, tail_start, pos + 1, topk, 16, ps, scale, force
+            )
+            ref = _unpaged_hsa(q, view_k, view_v, tail_keys, tail_vals, ps, topk, 16, scale, force)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -84,8 +93,7 @@ def _pages(x, ps):
     return mins, maxs
 
 
-def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale,
-                 force=False):
+def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale, force=False):
     """HSA over the view as plain tensors: compact pages, then tail pages
     (each region's last page may be partial: it weighs its token count);
     with force the newest token's page (the last) is selected on top."""
@@ -100,8 +108,9 @@ def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale,
     pmin, pmax = torch.stack(mins, 1), torch.stack(maxs, 1)
     valid = torch.ones(pmin.shape[0], dtype=torch.bool)
     c, t = view_k[0].shape[0], tail_k.shape[0]
-    tokens = torch.cat([(c - torch.arange(0, c, ps)).clamp(max=ps),
-                        (t - torch.arange(0, t, ps)).clamp(max=ps)])
+    tokens = torch.cat(
+        [(c - torch.arange(0, c, ps)).clamp(max=ps), (t - torch.arange(0, t, ps)).clamp(max=ps)]
+    )
     forced = torch.zeros_like(valid)
     forced[-1] = force
     sel = hsa_select_pages(q, pmin, pmax, valid, topr, max(topk // ps, 1), forced, tokens)
@@ -109,8 +118,7 @@ def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale,
         assert bool(sel[:, -1].all())
         assert bool((sel.sum(1) == min(max(topk // ps, 1) + 1, len(valid))).all())
     # Token list with page ids; compact part pages then tail pages.
-    page_of = torch.cat([torch.arange(c) // ps,
-                         -(-c // ps) + torch.arange(tail_k.shape[0]) // ps])
+    page_of = torch.cat([torch.arange(c) // ps, -(-c // ps) + torch.arange(tail_k.shape[0]) // ps])
     keys = torch.cat([torch.stack(view_k, 1), tail_k])
     vals = torch.cat([torch.stack(view_v, 1), tail_v])
     mask = sel[:, page_of]
@@ -119,8 +127,7 @@ def _unpaged_hsa(q, view_k, view_v, tail_k, tail_v, ps, topk, topr, scale,
 
 def test_dense_attention_matches_sdpa_on_plain_tensors():
     n, hkv, g, d = 300, 3, 3, 64
-    kc, vc, _, row, keys, values = _make_request(n, hkv, d, 32, 4, seed=5,
-                                                 layout="head_rows")
+    kc, vc, _, row, keys, values = _make_request(n, hkv, d, 32, 4, seed=5, layout="head_rows")
     q = torch.randn(40, hkv * g, d)
     positions = torch.arange(n - 40, n)
     out = paged.dense_attention(q, positions, kc, vc, row, n, d**-0.5, chunk=16)
@@ -128,7 +135,8 @@ def test_dense_attention_matches_sdpa_on_plain_tensors():
     v = values.repeat_interleave(g, dim=1).transpose(0, 1)
     mask = torch.arange(n)[None, :] <= positions[:, None]
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask, scale=d**-0.5).transpose(0, 1)
+        q.transpose(0, 1), k, v, attn_mask=mask, scale=d**-0.5
+    ).transpose(0, 1)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -148,13 +156,23 @@ def test_no_eviction_keeps_everything_and_decodes_over_the_prompt(ps, force):
     new_k, new_v = torch.randn(1, hkv, d), torch.randn(1, hkv, d)
     paged.write_kv(kc, vc, new_k, new_v, (row[pos // bs] * bs + pos % bs).view(1))
     q = torch.randn(hkv * g, d)
-    out = paged.hsa_decode(q, kc, vc, kt, row, tail_start, tail_start, n + 1, 8 * ps, 16,
-                           ps, d**-0.5, force)
+    out = paged.hsa_decode(
+        q, kc, vc, kt, row, tail_start, tail_start, n + 1, 8 * ps, 16, ps, d**-0.5, force
+    )
     view_k = [keys[:tail_start, h] for h in range(hkv)]
     view_v = [values[:tail_start, h] for h in range(hkv)]
-    ref = _unpaged_hsa(q, view_k, view_v, torch.cat([keys[tail_start:], new_k]),
-                       torch.cat([values[tail_start:], new_v]), ps, 8 * ps, 16,
-                       d**-0.5, force)
+    ref = _unpaged_hsa(
+        q,
+        view_k,
+        view_v,
+        torch.cat([keys[tail_start:], new_k]),
+        torch.cat([values[tail_start:], new_v]),
+        ps,
+        8 * ps,
+        16,
+        d**-0.5,
+        force,
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -164,12 +182,12 @@ def test_page_size_one_full_channels_is_exact_top_k_attention():
     n, hkv, g, d, bs, topk = 200, 2, 2, 64, 16, 24
     kc, vc, kt, row, keys, values = _make_request(n, hkv, d, bs, 1, seed=9)
     tail_start = n // bs * bs
-    paged.snapkv_compress(kc, vc, kt, row, torch.randn(32, hkv * g, d), n, n,
-                          tail_start, 63, 1, d**-0.5)
+    paged.snapkv_compress(
+        kc, vc, kt, row, torch.randn(32, hkv * g, d), n, n, tail_start, 63, 1, d**-0.5
+    )
     q = torch.randn(hkv * g, d)
     # the token at n - 1 is the "current" one (already in the cache)
-    out = paged.hsa_decode(q, kc, vc, kt, row, tail_start, tail_start, n, topk, d, 1,
-                           d**-0.5)
+    out = paged.hsa_decode(q, kc, vc, kt, row, tail_start, tail_start, n, topk, d, 1, d**-0.5)
     weights = torch.einsum("kgd,tkd->kgt", q.view(hkv, g, d), keys) * d**-0.5
     top = weights.softmax(-1).mean(1).topk(topk, dim=-1).indices
     mask = torch.zeros(hkv, n, dtype=torch.bool)

@@ -7,11 +7,11 @@ an explicit thread binding (vLLM's automatic one wants a NUMA node per rank).
 """
 
 import pytest
-
 from conftest import greedy, make_llm, shutdown
+
 from rocketkv_vllm.config import parse_config, resolve_settings
-from rocketkv_vllm.plan import plan_request
 from rocketkv_vllm.engine import DEFAULT_CPU_BLOCK_SIZE
+from rocketkv_vllm.plan import plan_request
 
 pytestmark = pytest.mark.engine
 
@@ -26,17 +26,22 @@ def test_tensor_parallel_3_matches_one_process(model_path, tokenizer, monkeypatc
     samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
     prompts = [TokensPrompt(prompt_token_ids=s.token_ids) for s in samples]
     head_dim = 64  # SmolLM2-135M
-    settings = resolve_settings(parse_config(ROCKETKV), DEFAULT_CPU_BLOCK_SIZE,
-                                head_dim, 1100)
+    settings = resolve_settings(parse_config(ROCKETKV), DEFAULT_CPU_BLOCK_SIZE, head_dim, 1100)
     assert all(plan_request(settings, len(s.token_ids)).compress for s in samples)
 
     outputs = {}
     for tp in (1, 3):
         if tp > 1:
             monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
-        llm = make_llm(model_path, "ROCKETKV", ROCKETKV, tensor_parallel_size=tp,
-                       max_model_len=1100, dtype="bfloat16",
-                       kv_cache_memory_bytes=1 << 29)
+        llm = make_llm(
+            model_path,
+            "ROCKETKV",
+            ROCKETKV,
+            tensor_parallel_size=tp,
+            max_model_len=1100,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=1 << 29,
+        )
         try:
             outputs[tp] = greedy(llm, prompts, max_tokens=16)
         finally:
@@ -45,5 +50,4 @@ def test_tensor_parallel_3_matches_one_process(model_path, tokenizer, monkeypatc
     ids3, _ = outputs[3]
     assert [list(t) for t in ids3] == [list(t) for t in ids1]
     # The needle is found, so the equality is not between two broken runs.
-    assert any(eval_tasks.score(t, s.references) == 100.0
-               for t, s in zip(text1, samples))
+    assert any(eval_tasks.score(t, s.references) == 100.0 for t, s in zip(text1, samples))

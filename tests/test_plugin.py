@@ -35,8 +35,9 @@ def test_choice_unpickles_in_a_process_without_plugins():
         "print(cfg.backend.name)\n"
     )
     env = dict(os.environ, VLLM_PLUGINS="")  # load no plugin at all
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "CUSTOM"
 
@@ -47,8 +48,7 @@ def test_cpu_platform_honours_an_explicit_rocketkv_choice():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     assert current_platform.is_cpu()
-    chosen = current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM,
-                                                   _selector())
+    chosen = current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector())
     assert chosen == BACKEND_PATH
     # Everything else still goes the CPU platform's own way.
     assert current_platform.get_attn_backend_cls(None, _selector()) != BACKEND_PATH
@@ -63,11 +63,14 @@ def _selector(**kw):
     return AttentionSelectorConfig(**args)
 
 
-@pytest.mark.parametrize("bad,reason", [
-    (dict(head_size=72), "head_size not supported"),
-    (dict(block_size=8), "block_size not supported"),
-    (dict(use_mla=True), "MLA not supported"),
-])
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        (dict(head_size=72), "head_size not supported"),
+        (dict(block_size=8), "block_size not supported"),
+        (dict(use_mla=True), "MLA not supported"),
+    ],
+)
 def test_vllm_backend_validation_runs_on_cpu_and_names_rocketkv(bad, reason):
     """vLLM's CPU selection validates nothing; ROCKETKV runs vLLM's own
     backend checks on every platform, with its own name in the error."""
@@ -76,16 +79,21 @@ def test_vllm_backend_validation_runs_on_cpu_and_names_rocketkv(bad, reason):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     with pytest.raises(ValueError) as err:
-        current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM,
-                                              _selector(**bad))
+        current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(**bad))
     assert "ROCKETKV" in str(err.value) and reason in str(err.value)
 
 
 def _engine_config(model_path, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model_path, attention_backend="ROCKETKV", dtype="float32",
-                      max_model_len=4096, enforce_eager=True, **kw).create_engine_config()
+    return EngineArgs(
+        model=model_path,
+        attention_backend="ROCKETKV",
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        **kw,
+    ).create_engine_config()
 
 
 def test_requests_rocketkv_cannot_serve_are_refused_per_request(model_path):
@@ -101,17 +109,21 @@ def test_requests_rocketkv_cannot_serve_are_refused_per_request(model_path):
     processor = InputProcessor(_engine_config(model_path))
     prompt = {"prompt_token_ids": list(range(1, 40))}
     with pytest.raises(VLLMValidationError) as err:
-        processor.process_inputs(request_id="s", prompt=prompt, params=SamplingParams(),
-                                 supported_tasks=("generate",), resumable=True)
+        processor.process_inputs(
+            request_id="s",
+            prompt=prompt,
+            params=SamplingParams(),
+            supported_tasks=("generate",),
+            resumable=True,
+        )
     assert "ROCKETKV" in str(err.value) and "streaming" in str(err.value)
     # vLLM's CPU runner dies on a seeded request prefilled in chunks.
     with pytest.raises(VLLMValidationError) as err:
-        processor.process_inputs("t", prompt, SamplingParams(seed=7),
-                                 supported_tasks=("generate",))
+        processor.process_inputs("t", prompt, SamplingParams(seed=7), supported_tasks=("generate",))
     assert "ROCKETKV" in str(err.value) and "seed" in str(err.value)
-    request = processor.process_inputs(request_id="r", prompt=prompt,
-                                       params=SamplingParams(),
-                                       supported_tasks=("generate",))
+    request = processor.process_inputs(
+        request_id="r", prompt=prompt, params=SamplingParams(), supported_tasks=("generate",)
+    )
     assert request.prompt_token_ids == prompt["prompt_token_ids"]
 
 

@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import ENGINE_KW
+
 from rocketkv_eval.engines import external_id, in_process, scheduler
 from rocketkv_eval.multiturn import (
     ANSWER_PREFIX,
@@ -83,12 +83,13 @@ def _cases(tokenizer):
         # 4. a shared long prefix: warmed, then A compacts while B, with a
         # long continuation, is still prefilling in chunks
         [("warm", ask(shared, 0), {})],
-        [("A", ask(shared, 1), {}),
-         ("B", ask(shared, 2, f"{shared.document}\n\n{extra}"), {})],
+        [("A", ask(shared, 1), {}), ("B", ask(shared, 2, f"{shared.document}\n\n{extra}"), {})],
         # 5. an uncompressed request (budget 0) beside a compressed one
         [("warm-mixed", ask(mixed, 0), {})],
-        [("dense-row", ask(mixed, 1), {"rocketkv_token_budget": 0}),
-         ("compressed-row", ask(mixed, 0), {})],
+        [
+            ("dense-row", ask(mixed, 1), {"rocketkv_token_budget": 0}),
+            ("compressed-row", ask(mixed, 0), {}),
+        ],
         # 6. parallel sampling
         [("n2", ask(doc, 2), {"n": 2})],
     ]
@@ -97,9 +98,15 @@ def _cases(tokenizer):
 def _hashes(llm, ids):
     """The block hashes vLLM computes for a prompt (this engine's seed)."""
     hasher = llm.llm_engine.engine_core.engine_core.request_block_hasher
-    fake = SimpleNamespace(block_hashes=[], num_tokens=len(ids), all_token_ids=ids,
-                           mm_features=[], lora_request=None, cache_salt=None,
-                           prompt_embeds=None)
+    fake = SimpleNamespace(
+        block_hashes=[],
+        num_tokens=len(ids),
+        all_token_ids=ids,
+        mm_features=[],
+        lora_request=None,
+        cache_salt=None,
+        prompt_embeds=None,
+    )
     return hasher(fake)
 
 
@@ -130,8 +137,13 @@ def _run(llm, groups, chats, record_blocks: bool) -> Run:
         extra = dict(extra)
         n = extra.pop("n", 1)
         # n > 1 needs sampling: top-1 of it is greedy.
-        return SamplingParams(temperature=0.0 if n == 1 else 1.0, top_k=1 if n > 1 else 0,
-                              max_tokens=MAX_TOKENS, n=n, extra_args=extra or None)
+        return SamplingParams(
+            temperature=0.0 if n == 1 else 1.0,
+            top_k=1 if n > 1 else 0,
+            max_tokens=MAX_TOKENS,
+            n=n,
+            extra_args=extra or None,
+        )
 
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
@@ -147,9 +159,12 @@ def _run(llm, groups, chats, record_blocks: bool) -> Run:
     def finish(outs):
         for o in outs:
             if o.finished:
-                run.outs[o.request_id] = Out([list(c.token_ids) for c in o.outputs],
-                                             o.outputs[0].text, o.num_cached_tokens or 0,
-                                             list(o.prompt_token_ids))
+                run.outs[o.request_id] = Out(
+                    [list(c.token_ids) for c in o.outputs],
+                    o.outputs[0].text,
+                    o.num_cached_tokens or 0,
+                    list(o.prompt_token_ids),
+                )
                 if record_blocks:
                     record(o.request_id, list(o.prompt_token_ids))
 
@@ -160,17 +175,21 @@ def _run(llm, groups, chats, record_blocks: bool) -> Run:
             running = {external_id(r): r for r in sched.running}
             a, b = running.get("A"), running.get("B")
             finish(engine.step())
-            if (a is not None and b is not None and run.b_prefilling_when_a_compacted is None
-                    and a.num_computed_tokens >= a.num_prompt_tokens):
-                run.b_prefilling_when_a_compacted = (
-                    b.num_computed_tokens < b.num_prompt_tokens)
+            if (
+                a is not None
+                and b is not None
+                and run.b_prefilling_when_a_compacted is None
+                and a.num_computed_tokens >= a.num_prompt_tokens
+            ):
+                run.b_prefilling_when_a_compacted = b.num_computed_tokens < b.num_prompt_tokens
     # 3. chats, each turn the whole conversation so far
     for name, turns, prompt in chats:
         answers: list[str] = []
         for turn in range(turns):
             rid = f"{name}-{turn}"
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt(turn, answers)),
-                               params({}))
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=prompt(turn, answers)), params({})
+            )
             while engine.has_unfinished_requests():
                 finish(engine.step())
             answers.append(run.outs[rid].text)
@@ -183,8 +202,14 @@ def _run(llm, groups, chats, record_blocks: bool) -> Run:
 def _engine(model_path, backend, caching: bool, rocketkv=None, testing=None):
     from vllm import LLM
 
-    kw = dict(ENGINE_KW, max_model_len=4096, kv_cache_memory_bytes=1 << 29,
-              max_num_batched_tokens=512, block_size=BS, enable_prefix_caching=caching)
+    kw = dict(
+        ENGINE_KW,
+        max_model_len=4096,
+        kv_cache_memory_bytes=1 << 29,
+        max_num_batched_tokens=512,
+        block_size=BS,
+        enable_prefix_caching=caching,
+    )
     extra = {}
     if rocketkv is not None:
         extra["rocketkv"] = rocketkv
@@ -209,17 +234,30 @@ def _reselection_chat(tokenizer):
     key, value = "brave-falcon", str(rng.randint(1_000_000, 9_999_999))
     sentences.insert(int(0.7 * len(sentences)), FACT.format(key=key, value=value))
     sentences.insert(int(0.3 * len(sentences)), f"The secret passphrase is {secret}.")
-    first = [{"role": "user", "content": (
-        "Below is a long text with a secret passphrase and some special magic numbers "
-        "hidden in it. Read it carefully.\n\n" + " ".join(sentences)
-        + "\n\nWhat is the secret passphrase? Answer with the passphrase only.")}]
+    first = [
+        {
+            "role": "user",
+            "content": (
+                "Below is a long text with a secret passphrase and some special magic numbers "
+                "hidden in it. Read it carefully.\n\n"
+                + " ".join(sentences)
+                + "\n\nWhat is the secret passphrase? Answer with the passphrase only."
+            ),
+        }
+    ]
 
     def prompt(turn, answers):
         if turn == 0:
             return render(tokenizer, first)
-        return render(tokenizer, first + [{"role": "assistant", "content": answers[0]},
-                                          {"role": "user", "content": QUESTION.format(key=key)}],
-                      ANSWER_PREFIX.format(key=key))
+        return render(
+            tokenizer,
+            first
+            + [
+                {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": QUESTION.format(key=key)},
+            ],
+            ANSWER_PREFIX.format(key=key),
+        )
 
     return prompt, value
 
@@ -229,22 +267,26 @@ def runs(model_path, tokenizer):
     groups = _cases(tokenizer)
     chat = make_conversation(tokenizer, 1300, 4, seed=21)
     reselect, _ = _reselection_chat(tokenizer)
-    chats = [("chat", 4, lambda t, a: prompt_ids(tokenizer, chat, t, a)),
-             ("mt", 2, reselect)]
+    chats = [("chat", 4, lambda t, a: prompt_ids(tokenizer, chat, t, a)), ("mt", 2, reselect)]
     result = {}
     for name, backend, caching, rocketkv, testing in (
-            ("on", "ROCKETKV", True, SETTINGS, {"poison_evicted_blocks": True,
-                                                "record_kept_positions": True}),
-            ("off", "ROCKETKV", False, SETTINGS, {"poison_evicted_blocks": True}),
-            ("dense", "CPU_ATTN", True, None, None)):
+        (
+            "on",
+            "ROCKETKV",
+            True,
+            SETTINGS,
+            {"poison_evicted_blocks": True, "record_kept_positions": True},
+        ),
+        ("off", "ROCKETKV", False, SETTINGS, {"poison_evicted_blocks": True}),
+        ("dense", "CPU_ATTN", True, None, None),
+    ):
         llm = _engine(model_path, backend, caching, rocketkv, testing)
         try:
             result[name] = _run(llm, groups, chats, record_blocks=caching)
             if name == "on":
                 from rocketkv_vllm.state import worker_state
 
-                result[name].kept = list(worker_state(llm.llm_engine.vllm_config)
-                                         .kept_positions)
+                result[name].kept = list(worker_state(llm.llm_engine.vllm_config).kept_positions)
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
@@ -315,7 +357,7 @@ def test_later_turn_reselects_what_an_earlier_turn_evicted(runs, tokenizer):
     on = runs["on"]
     first = on.outs["mt-0"].prompt
     number = tokenizer(" " + value, add_special_tokens=False)["input_ids"][1:]
-    start = next(i for i in range(len(first)) if first[i:i + len(number)] == number)
+    start = next(i for i in range(len(first)) if first[i : i + len(number)] == number)
     span = set(range(start, start + len(number)))
 
     def coverage(n):
@@ -323,8 +365,9 @@ def test_later_turn_reselects_what_an_earlier_turn_evicted(runs, tokenizer):
         prompt that kept at least half of the number's tokens."""
         entries = [kept for num, kept in on.kept if num == n][-30:]
         assert len(entries) == 30  # one per layer
-        keep = [sum(int(p) in span for p in row) >= len(span) / 2
-                for kept in entries for row in kept]
+        keep = [
+            sum(int(p) in span for p in row) >= len(span) / 2 for kept in entries for row in kept
+        ]
         return sum(keep) / len(keep)
 
     turn1, turn2 = coverage(len(first)), coverage(len(on.outs["mt-1"].prompt))

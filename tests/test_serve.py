@@ -38,17 +38,32 @@ def _free_port() -> int:
 class Server:
     """A ``vllm serve`` subprocess; stdout and stderr each go to a file."""
 
-    def __init__(self, model_path: str, rocketkv: dict | None = None,
-                 extra=(), env: dict | None = None):
+    def __init__(
+        self, model_path: str, rocketkv: dict | None = None, extra=(), env: dict | None = None
+    ):
         self.port = _free_port()
         self.model = model_path
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_path, "--host", "127.0.0.1", "--port", str(self.port),
-            "--attention-backend", "ROCKETKV",
-            "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-            "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 30),
-            "--seed", "0",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--attention-backend",
+            "ROCKETKV",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            "--seed",
+            "0",
         ]
         if rocketkv is not None:
             cmd += ["--additional-config", json.dumps({"rocketkv": rocketkv})]
@@ -56,8 +71,12 @@ class Server:
         self._out = tempfile.NamedTemporaryFile("w+", prefix="serve-out-", suffix=".log")
         self._err = tempfile.NamedTemporaryFile("w+", prefix="serve-err-", suffix=".log")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._out, stderr=self._err, text=True,
-            env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})))
+            cmd,
+            stdout=self._out,
+            stderr=self._err,
+            text=True,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", **(env or {})),
+        )
 
     @property
     def url(self) -> str:
@@ -84,8 +103,7 @@ class Server:
                     return
             except OSError:
                 time.sleep(2)
-        raise AssertionError("server did not become ready in time:\n"
-                             + self.log()[-3000:])
+        raise AssertionError("server did not become ready in time:\n" + self.log()[-3000:])
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
@@ -94,8 +112,7 @@ class Server:
     def client(self, **kw):
         from openai import OpenAI
 
-        return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                      timeout=600, **kw)
+        return OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600, **kw)
 
     def stop(self) -> str:
         """Stop (idempotent) and return everything the server wrote."""
@@ -127,8 +144,11 @@ def metric_samples(text: str, name: str) -> list[tuple[dict, float]]:
 
 def metric_value(text: str, name: str, **labels) -> float:
     """Sum of a metric's samples whose labels include ``labels``."""
-    samples = [v for got, v in metric_samples(text, name)
-               if all(got.get(k) == str(want) for k, want in labels.items())]
+    samples = [
+        v
+        for got, v in metric_samples(text, name)
+        if all(got.get(k) == str(want) for k, want in labels.items())
+    ]
     assert samples, f"{name} {labels or ''} not in /metrics"
     return sum(samples)
 
@@ -178,12 +198,13 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def test_chat_completion_plain_and_streamed(server):
     client = server.client()
     plain = client.chat.completions.create(
-        model=server.model, messages=CHAT, max_tokens=16, temperature=0)
+        model=server.model, messages=CHAT, max_tokens=16, temperature=0
+    )
     answer = plain.choices[0].message.content
     assert "paris" in answer.lower()
     stream = client.chat.completions.create(
-        model=server.model, messages=CHAT, max_tokens=16, temperature=0,
-        stream=True)
+        model=server.model, messages=CHAT, max_tokens=16, temperature=0, stream=True
+    )
     text, finish = _stream_text(stream)
     assert text == {0: answer}
     assert finish == {0: plain.choices[0].finish_reason}
@@ -196,9 +217,9 @@ def test_completion_of_a_compressed_prompt_plain_and_streamed(server, long_promp
     # max_tokens reached.
     assert choice.finish_reason == "length" and plain.usage.completion_tokens == 8
     assert choice.text.strip()
-    text, finish = _stream_text(_complete(
-        server, long_prompt, max_tokens=8, stream=True,
-        extra_body={"ignore_eos": True}))
+    text, finish = _stream_text(
+        _complete(server, long_prompt, max_tokens=8, stream=True, extra_body={"ignore_eos": True})
+    )
     assert text == {0: choice.text} and finish == {0: "length"}
 
 
@@ -207,35 +228,45 @@ def test_n_greater_than_one_on_a_compressed_prompt(server, long_prompt):
     # (3 x ~1500 tokens: one of them is prefilled in chunks). No `seed`: on
     # vLLM's CPU build a seeded request whose prefill is chunked kills the
     # engine ("CPU Generator does not use offset"), with CPU_ATTN as well.
-    out = _complete(server, long_prompt, n=3, max_tokens=6, temperature=1.0,
-                    extra_body={"ignore_eos": True})
+    out = _complete(
+        server, long_prompt, n=3, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in out.choices)
     assert out.usage.completion_tokens == 18
-    text, finish = _stream_text(server.client().chat.completions.create(
-        model=server.model, messages=CHAT, n=2, max_tokens=5, temperature=1.0,
-        stream=True))
+    text, finish = _stream_text(
+        server.client().chat.completions.create(
+            model=server.model, messages=CHAT, n=2, max_tokens=5, temperature=1.0, stream=True
+        )
+    )
     assert sorted(text) == [0, 1] and sorted(finish) == [0, 1]
 
 
 def test_stop_string_ends_the_completion(server, long_prompt):
     # On a compressed prompt: the frontend sees the stop string and aborts
     # the request in the engine, which frees its (compacted) blocks.
-    free = _complete(server, long_prompt, max_tokens=12,
-                     extra_body={"ignore_eos": True})
+    free = _complete(server, long_prompt, max_tokens=12, extra_body={"ignore_eos": True})
     text = free.choices[0].text
     # A stop string from the middle of what the model writes anyway.
     words = text.split()
     assert len(words) >= 3, text
     stop = words[2]
     cut = text.index(stop)
-    stopped = _complete(server, long_prompt, max_tokens=12, stop=[stop],
-                        extra_body={"ignore_eos": True})
+    stopped = _complete(
+        server, long_prompt, max_tokens=12, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == text[:cut]
-    text2, finish = _stream_text(_complete(
-        server, long_prompt, max_tokens=12, stop=[stop], stream=True,
-        extra_body={"ignore_eos": True}))
+    text2, finish = _stream_text(
+        _complete(
+            server,
+            long_prompt,
+            max_tokens=12,
+            stop=[stop],
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert text2 == {0: text[:cut]} and finish == {0: "stop"}
 
 
@@ -247,8 +278,10 @@ def _idle_metrics(server, timeout=60.0) -> str:
     while True:
         _complete(server, "One more", max_tokens=1)
         text = server.metrics()
-        if (metric_value(text, "vllm:num_requests_running") == 0
-                and metric_value(text, "vllm:num_requests_waiting") == 0):
+        if (
+            metric_value(text, "vllm:num_requests_running") == 0
+            and metric_value(text, "vllm:num_requests_waiting") == 0
+        ):
             return text
         assert time.time() < deadline, "the engine never became idle"
         time.sleep(1)
@@ -256,8 +289,9 @@ def _idle_metrics(server, timeout=60.0) -> str:
 
 def test_client_disconnecting_mid_stream(server, long_prompt):
     before = metric_value(_idle_metrics(server), "vllm:generation_tokens_total")
-    stream = _complete(server, long_prompt, max_tokens=400, stream=True,
-                       extra_body={"ignore_eos": True})
+    stream = _complete(
+        server, long_prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     got = 0
     for chunk in stream:
         got += sum(1 for c in chunk.choices if c.text)
@@ -281,36 +315,48 @@ def test_per_request_budget_in_vllm_xargs(server, long_prompt):
 
     before = metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total")
     for budget in (0, 512):
-        out = _complete(server, long_prompt, max_tokens=4,
-                        extra_body={"ignore_eos": True,
-                                    "vllm_xargs": {"rocketkv_token_budget": budget}})
+        out = _complete(
+            server,
+            long_prompt,
+            max_tokens=4,
+            extra_body={"ignore_eos": True, "vllm_xargs": {"rocketkv_token_budget": budget}},
+        )
         assert out.choices[0].finish_reason == "length"
     after = metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total")
     assert after - before == 1  # the 512 one (1500 tokens > its prompt budget)
     for bad in (8, "many", -1):
         with pytest.raises(openai.BadRequestError) as err:
-            _complete(server, long_prompt, max_tokens=4,
-                      extra_body={"vllm_xargs": {"rocketkv_token_budget": bad}})
+            _complete(
+                server,
+                long_prompt,
+                max_tokens=4,
+                extra_body={"vllm_xargs": {"rocketkv_token_budget": bad}},
+            )
         assert err.value.status_code == 400
         assert "rocketkv_token_budget" in str(err.value)
     with pytest.raises(openai.BadRequestError):
         server.client().chat.completions.create(
-            model=server.model, messages=CHAT, max_tokens=4,
-            extra_body={"vllm_xargs": {"rocketkv_token_budget": 15}})
+            model=server.model,
+            messages=CHAT,
+            max_tokens=4,
+            extra_body={"vllm_xargs": {"rocketkv_token_budget": 15}},
+        )
     assert server.proc.poll() is None
 
 
 def test_prompt_longer_than_the_model_maximum_is_a_clean_400(server, tokenizer):
     import openai
 
-    ids = (tokenizer("hello world ")["input_ids"] * MAX_MODEL_LEN)[:MAX_MODEL_LEN + 100]
+    ids = (tokenizer("hello world ")["input_ids"] * MAX_MODEL_LEN)[: MAX_MODEL_LEN + 100]
     with pytest.raises(openai.BadRequestError) as err:
         _complete(server, ids, max_tokens=4)
     assert err.value.status_code == 400
     with pytest.raises(openai.BadRequestError):
         server.client().chat.completions.create(
-            model=server.model, max_tokens=4,
-            messages=[{"role": "user", "content": "hello world " * MAX_MODEL_LEN}])
+            model=server.model,
+            max_tokens=4,
+            messages=[{"role": "user", "content": "hello world " * MAX_MODEL_LEN}],
+        )
     out = _complete(server, "The capital of France is", max_tokens=4)
     assert out.choices[0].finish_reason == "length"
     assert server.proc.poll() is None
@@ -337,8 +383,10 @@ def test_kv_cache_is_empty_after_all_requests(server):
 def test_invalid_settings_stop_startup_naming_the_field(model_path):
     """Bad rocketkv settings: the server exits non-zero at startup and says
     which field is wrong (both cases start at once: startup costs time)."""
-    cases = [({"kernel_size": 64}, "rocketkv.kernel_size=64 is invalid"),
-             ({"prompt_budget": 20}, "rocketkv.prompt_budget=20 is invalid")]
+    cases = [
+        ({"kernel_size": 64}, "rocketkv.kernel_size=64 is invalid"),
+        ({"prompt_budget": 20}, "rocketkv.prompt_budget=20 is invalid"),
+    ]
     servers = [Server(model_path, rocketkv=rocketkv) for rocketkv, _ in cases]
     try:
         codes = [srv.proc.wait(timeout=300) for srv in servers]

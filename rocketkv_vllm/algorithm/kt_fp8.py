@@ -47,7 +47,7 @@ def _round_toward_zero(m: torch.Tensor) -> torch.Tensor:
     # normal: biased exponent (exp - 1) + 7, mantissa floor(frac * 16) - 8
     normal = ((exp + 6) << 3) | (torch.floor(frac * 16).to(torch.int32) - 8)
     subnormal = torch.floor(m * 512).to(torch.int32)  # multiples of 2**-9
-    return torch.where(m >= 2.0 ** -6, normal, subnormal)
+    return torch.where(m >= 2.0**-6, normal, subnormal)
 
 
 def row_scale(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -74,10 +74,8 @@ def encode(x: torch.Tensor, scale: torch.Tensor, upward: bool) -> torch.Tensor:
 def encode_rows(kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """KT rows [..., row_bytes(d)] uint8 from min and max keys [..., d]."""
     scale = row_scale(kmin, kmax)
-    head = torch.cat([encode(kmin, scale, upward=False),
-                      encode(kmax, scale, upward=True)], dim=-1)
-    tail = torch.zeros(*head.shape[:-1], SCALE_BYTES, dtype=torch.uint8,
-                       device=head.device)
+    head = torch.cat([encode(kmin, scale, upward=False), encode(kmax, scale, upward=True)], dim=-1)
+    tail = torch.zeros(*head.shape[:-1], SCALE_BYTES, dtype=torch.uint8, device=head.device)
     tail[..., :4] = scale.float()[..., None].view(torch.uint8)
     return torch.cat([head, tail], dim=-1)
 

@@ -6,9 +6,7 @@ import torch
 import torch.nn.functional as F
 
 
-def window_attention_scores(
-    q_win: torch.Tensor, keys: torch.Tensor, scale: float
-) -> torch.Tensor:
+def window_attention_scores(q_win: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention mass each prompt key gets from the observation window.
 
     q_win: [w, Hq, d], the queries of the last w prompt tokens.
@@ -26,7 +24,7 @@ def window_attention_scores(
     q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * w, d)
     logits = torch.bmm(q, keys.float().permute(1, 2, 0))
     # Only the window's own columns can lie in a query's future.
-    window = logits.view(num_kv_heads, group, w, n)[..., n - w:]
+    window = logits.view(num_kv_heads, group, w, n)[..., n - w :]
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)
     window.masked_fill_(future, float("-inf"))
     probs = logits.softmax(dim=-1)
@@ -35,9 +33,9 @@ def window_attention_scores(
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """1-D max-pool along the sequence, stride 1, same length out."""
-    return F.max_pool1d(
-        scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
-    )[:, 0, :]
+    return F.max_pool1d(scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2)[
+        :, 0, :
+    ]
 
 
 def snapkv_keep_positions(
@@ -59,8 +57,7 @@ def snapkv_keep_positions(
     if protect_from is None:
         protect_from = n - q_win.shape[0]
     scores = window_attention_scores(q_win, keys, scale)
-    return keep_positions_from_scores(scores, n, prompt_budget, kernel_size,
-                                      protect_from)
+    return keep_positions_from_scores(scores, n, prompt_budget, kernel_size, protect_from)
 
 
 def keep_positions_from_scores(

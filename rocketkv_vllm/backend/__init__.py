@@ -28,7 +28,9 @@ class RocketKVBackend(AttentionBackend):
     # The native backend writes the KV cache in do_kv_cache_update.
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [
-        torch.float16, torch.bfloat16, torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
     ]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
@@ -91,5 +93,6 @@ class RocketKVBackend(AttentionBackend):
         if vllm_config is None:
             raise RuntimeError(
                 "ROCKETKV builds its KV cache spec from the engine's config, but "
-                "vLLM called customize_spec with no current config")
+                "vLLM called customize_spec with no current config"
+            )
         return make_rocketkv_spec(spec, settings_for(vllm_config))

@@ -33,8 +33,9 @@ from rocketkv_vllm.config import RocketKVSettings, TestAids
 from rocketkv_vllm.plan import DecodeGraphShape, budget_pages_selected, shape_for
 
 
-def decode_graph_shape(vllm_config, settings: RocketKVSettings, uses_triton: bool,
-                       aids: TestAids) -> DecodeGraphShape | None:
+def decode_graph_shape(
+    vllm_config, settings: RocketKVSettings, uses_triton: bool, aids: TestAids
+) -> DecodeGraphShape | None:
     """The shape when this engine's decode steps may replay FULL CUDA
     graphs (the Triton kernels on CUDA, vLLM's graph mode with FULL decode
     graphs), or with the Triton kernels anywhere under the
@@ -45,8 +46,7 @@ def decode_graph_shape(vllm_config, settings: RocketKVSettings, uses_triton: boo
     compilation = vllm_config.compilation_config
     # FULL graphs exist for batches up to the largest capture size; larger
     # decode batches run eagerly, in the ordinary layout.
-    rows = (compilation.max_cudagraph_capture_size
-            or vllm_config.scheduler_config.max_num_seqs)
+    rows = compilation.max_cudagraph_capture_size or vllm_config.scheduler_config.max_num_seqs
     if not uses_triton:
         return None
     if not aids.force_graph_layout:
@@ -71,5 +71,6 @@ class GraphGuard:
         pages than the captured shape."""
         if bool(np.any(prefilling)):
             return True
-        return any(b and not self.shape.takes(budget_pages_selected(b, self.page_size))
-                   for b in budgets)
+        return any(
+            b and not self.shape.takes(budget_pages_selected(b, self.page_size)) for b in budgets
+        )

@@ -63,7 +63,8 @@ class WindowQueries:
         if earlier is None:
             raise RuntimeError(
                 "ROCKETKV lost the observation-window queries of a request whose "
-                "window spans several prefill chunks")
+                "window spans several prefill chunks"
+            )
         return torch.cat([earlier[:offset], here])
 
 
@@ -103,8 +104,9 @@ class RocketKVImpl(AttentionImpl):
         self.settings = settings_for(vllm_config)
         aids = test_aids_for(vllm_config)
         self.poison_evicted_blocks = aids.poison_evicted_blocks
-        self.kept_log = (worker_state(vllm_config).kept_positions
-                         if aids.record_kept_positions else None)
+        self.kept_log = (
+            worker_state(vllm_config).kept_positions if aids.record_kept_positions else None
+        )
         # Given-back blocks stay valid prefix-cache entries: then only their
         # KT pages (which no reader of the cache uses) are poisoned.
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
@@ -112,17 +114,28 @@ class RocketKVImpl(AttentionImpl):
         choice = native_for_config(vllm_config)
         self.kv_layout = choice.kv_layout
         self.native = choice.backend.get_impl_cls()(
-            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-            kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name)
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+        )
         self.stage2 = stage2_for(self.settings, self.kv_layout)
         self.stage1 = stage1_ops(self.settings)
-        self.window_queries = WindowQueries(self.settings.window_size,
-                                            vllm_config.scheduler_config.max_num_seqs)
+        self.window_queries = WindowQueries(
+            self.settings.window_size, vllm_config.scheduler_config.max_num_seqs
+        )
         # The largest eager Stage 2 call: every running request, each with the
         # most view pages (rounded as the builder rounds for Triton).
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
-        self.max_pages = pow2_at_least(max_view_pages(
-            vllm_config.model_config.max_model_len, self.settings.page_size))
+        self.max_pages = pow2_at_least(
+            max_view_pages(vllm_config.model_config.max_model_len, self.settings.page_size)
+        )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.native.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -142,8 +155,9 @@ class RocketKVImpl(AttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("ROCKETKV does not fuse output quantization")
         if attn_metadata is None:  # profiling run: count Stage 2's scratch in
-            self.stage2.reserve_scratch(query.device, self.max_rows, self.num_heads,
-                                        self.num_kv_heads, self.max_pages)
+            self.stage2.reserve_scratch(
+                query.device, self.max_rows, self.num_heads, self.num_kv_heads, self.max_pages
+            )
             return output
         md = attn_metadata
         self.native.forward(layer, query, key, value, kv_cache, md.native, output)
@@ -168,9 +182,19 @@ class RocketKVImpl(AttentionImpl):
         kt_cache = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         with self.counters.stage1_timer(query.device):
             kept = paged.snapkv_compress(
-                k_cache, v_cache, kt_cache, r.block_row, self.window_queries.take(r, query),
-                plan.num_prompt_tokens, plan.prompt_budget, plan.tail_start,
-                s.kernel_size, s.page_size, self.scale, ops=self.stage1)
+                k_cache,
+                v_cache,
+                kt_cache,
+                r.block_row,
+                self.window_queries.take(r, query),
+                plan.num_prompt_tokens,
+                plan.prompt_budget,
+                plan.tail_start,
+                s.kernel_size,
+                s.page_size,
+                self.scale,
+                ops=self.stage1,
+            )
         if self.kept_log is not None:
             self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
         if self.poison_evicted_blocks:

@@ -69,8 +69,9 @@ class RocketKVMetadata:
 
     @property
     def adds_work(self) -> bool:
-        return bool(self.window_rows or self.stage1_rows or self.recompute
-                    or self.decode is not None)
+        return bool(
+            self.window_rows or self.stage1_rows or self.recompute or self.decode is not None
+        )
 
 
 class PromptLengths:
@@ -104,8 +105,16 @@ class PromptLengths:
 
 
 # The per-row Stage 2 columns, int32, one host-to-device copy per step.
-_HSA_COLUMNS = ("row", "token", "num_compact", "tail_start", "seq_len", "topk",
-                "topr", "num_select")
+_HSA_COLUMNS = (
+    "row",
+    "token",
+    "num_compact",
+    "tail_start",
+    "seq_len",
+    "topk",
+    "topr",
+    "num_select",
+)
 _NUM_SELECT = _HSA_COLUMNS.index("num_select")
 
 
@@ -128,8 +137,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     @classmethod
-    def get_cudagraph_support(cls, vllm_config: VllmConfig,
-                              kv_cache_spec) -> AttentionCGSupport:
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
         """FULL graphs for one-token decode steps with the Triton kernels on
         CUDA (``graphs``); never elsewhere (the CPU build has none)."""
         from vllm.platforms import current_platform
@@ -137,16 +145,19 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         if not (uses_triton(settings_for(vllm_config)) and current_platform.is_cuda_alike()):
             return AttentionCGSupport.NEVER
         native = native_for_config(vllm_config).backend.get_builder_cls()
-        return min(native.get_cudagraph_support(vllm_config, kv_cache_spec),
-                   AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-                   key=lambda level: level.value)
+        return min(
+            native.get_cudagraph_support(vllm_config, kv_cache_spec),
+            AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+            key=lambda level: level.value,
+        )
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings = settings_for(vllm_config)
         native = native_for_config(vllm_config)
         self.native = native.backend.get_builder_cls()(
-            kv_cache_spec, layer_names, vllm_config, device)
+            kv_cache_spec, layer_names, vllm_config, device
+        )
         self.reorder_batch_threshold = self.native.reorder_batch_threshold
         self.stage2 = stage2_for(self.settings, native.kv_layout)
         self.state = worker_state(vllm_config)
@@ -161,8 +172,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
 
     # -- the step -----------------------------------------------------------
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> RocketKVMetadata:
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> RocketKVMetadata:
         cm = common_attn_metadata
         # The R-SWA field carries prompt lengths to us only; the native
         # backend must not apply the marker window.
@@ -172,9 +187,15 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         if cm.rswa_prefix_lens is None or cm.num_reqs == 0:
             # Dummy / capture batches carry no prompt lengths: all dense.
             if graph is not None:
-                return self._graph_step(md, common_prefix_len, cm, native_cm, fast_build,
-                                        np.zeros(0, np.int64),
-                                        np.zeros((len(_HSA_COLUMNS), 0), np.int32))
+                return self._graph_step(
+                    md,
+                    common_prefix_len,
+                    cm,
+                    native_cm,
+                    fast_build,
+                    np.zeros(0, np.int64),
+                    np.zeros((len(_HSA_COLUMNS), 0), np.int32),
+                )
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
 
@@ -186,16 +207,18 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             rows = np.flatnonzero(step.decode)
             columns = self._columns(rows, rows, step.seq_lens[rows], step.plans)
             if not rows.size or graph.takes(int(columns[_NUM_SELECT].max())):
-                return self._graph_step(md, common_prefix_len, cm, native_cm,
-                                        fast_build, rows, columns)
+                return self._graph_step(
+                    md, common_prefix_len, cm, native_cm, fast_build, rows, columns
+                )
         if not step.compress.any():
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
         self._prompt_rows(md, cm, step)
         rows = np.flatnonzero(step.decode)
         if rows.size:
-            md.decode = self._hsa_rows(rows, step.qsl[rows], step.seq_lens[rows],
-                                       step.plans, cm.block_table_tensor)
+            md.decode = self._hsa_rows(
+                rows, step.qsl[rows], step.seq_lens[rows], step.plans, cm.block_table_tensor
+            )
             self.state.counters.decode_tokens_compressed += int(rows.size)
         neutral = np.flatnonzero(step.after)
         if neutral.size:
@@ -207,20 +230,23 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             seq = cm.seq_lens.clone()
             seq[idx] = lens.to(seq.dtype)
             native_cm = native_cm.replace(
-                seq_lens=seq, seq_lens_cpu_upper_bound=self._upper_bound_with(
-                    cm, neutral, torch.from_numpy(step.q_lens[neutral])))
+                seq_lens=seq,
+                seq_lens_cpu_upper_bound=self._upper_bound_with(
+                    cm, neutral, torch.from_numpy(step.q_lens[neutral])
+                ),
+            )
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
         return md
 
     def _step(self, cm: CommonAttentionMetadata) -> _Step:
         # Under Model Runner V2 a FULL graph's batch is padded past the
         # requests (req_idx): the padding rows are never compressed.
-        num_reqs = cm.num_reqs if cm.req_idx is None else min(cm.num_reqs,
-                                                              len(cm.req_idx))
+        num_reqs = cm.num_reqs if cm.req_idx is None else min(cm.num_reqs, len(cm.req_idx))
         qsl = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
         q_lens = np.diff(qsl)
-        seq_src = (cm.seq_lens_cpu_upper_bound
-                   if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens)
+        seq_src = (
+            cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm.seq_lens
+        )
         seq_lens = seq_src[:num_reqs].cpu().numpy().astype(np.int64)
         context_lens = seq_lens - q_lens
         prompt_lens = self.prompt_lengths.get(cm, num_reqs)
@@ -228,11 +254,19 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         plans = [self.plans(n, b) for n, b in zip(prompt_lens.tolist(), budgets)]
         compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
         after = compress & (context_lens >= prompt_lens)
-        return _Step(qsl, q_lens, seq_lens, context_lens, prompt_lens, plans, compress,
-                     after, after & (q_lens == 1))
+        return _Step(
+            qsl,
+            q_lens,
+            seq_lens,
+            context_lens,
+            prompt_lens,
+            plans,
+            compress,
+            after,
+            after & (q_lens == 1),
+        )
 
-    def _prompt_rows(self, md: RocketKVMetadata, cm: CommonAttentionMetadata,
-                     step: _Step) -> None:
+    def _prompt_rows(self, md: RocketKVMetadata, cm: CommonAttentionMetadata, step: _Step) -> None:
         """Window and Stage 1 rows of prompt chunks, and one Stage 2 row per
         token after a prompt's end in a multi-token chunk."""
         w = self.settings.window_size
@@ -243,8 +277,9 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             q_start, q_end = int(step.qsl[i]), int(step.qsl[i + 1])
             context_len = int(step.context_lens[i])
             if not step.after[i]:
-                row = PromptChunkRow(q_start, q_end, context_len, block_table[i], plan,
-                                     self._window_key(cm, i))
+                row = PromptChunkRow(
+                    q_start, q_end, context_len, block_table[i], plan, self._window_key(cm, i)
+                )
                 if step.seq_lens[i] < n:
                     if step.seq_lens[i] > n - w:
                         md.window_rows.append(row)
@@ -253,10 +288,15 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
                 counters.prompts_compressed += 1
                 counters.prompt_tokens_evicted += n - plan.prompt_budget
             for t in range(q_start + max(0, n - context_len), q_end):
-                md.recompute.append(self._hsa_rows(
-                    np.array([i]), np.array([t]),
-                    np.array([step.seq_lens[i] - (q_end - 1 - t)]), step.plans,
-                    block_table))
+                md.recompute.append(
+                    self._hsa_rows(
+                        np.array([i]),
+                        np.array([t]),
+                        np.array([step.seq_lens[i] - (q_end - 1 - t)]),
+                        step.plans,
+                        block_table,
+                    )
+                )
 
     @staticmethod
     def _upper_bound_with(cm: CommonAttentionMetadata, rows: np.ndarray, lens):
@@ -278,16 +318,19 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
 
     # -- Stage 2 rows -------------------------------------------------------
 
-    def _columns(self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray,
-                 plans: list[RequestPlan]) -> np.ndarray:
+    def _columns(
+        self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray, plans: list[RequestPlan]
+    ) -> np.ndarray:
         """The Stage 2 columns (_HSA_COLUMNS) of these batch rows, int32."""
         chosen = [plans[i] for i in rows]
         topk = np.array([p.topk for p in chosen], dtype=np.int64)
         columns = {
-            "row": rows, "token": tokens,
+            "row": rows,
+            "token": tokens,
             "num_compact": np.array([p.num_compact for p in chosen], dtype=np.int64),
             "tail_start": np.array([p.tail_start for p in chosen], dtype=np.int64),
-            "seq_len": seq_lens, "topk": topk,
+            "seq_len": seq_lens,
+            "topk": topk,
             "topr": np.array([p.topr for p in chosen], dtype=np.int64),
             "num_select": pages_selected(topk, self.settings.page_size),
         }
@@ -297,25 +340,41 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         staging = torch.from_numpy(columns)
         return staging.pin_memory() if self._pin else staging
 
-    def _hsa_rows(self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray,
-                  plans: list[RequestPlan], block_table: torch.Tensor) -> HsaRows:
+    def _hsa_rows(
+        self,
+        rows: np.ndarray,
+        tokens: np.ndarray,
+        seq_lens: np.ndarray,
+        plans: list[RequestPlan],
+        block_table: torch.Tensor,
+    ) -> HsaRows:
         """Stage 2 rows: batch rows, each one's token index in the step and
         seq_len including that token. One host-to-device copy."""
         columns = self._columns(rows, tokens, seq_lens, plans)
         col = self._staged(columns).to(block_table.device, non_blocking=True)
         host = dict(zip(_HSA_COLUMNS, columns.astype(np.int64)))
-        max_pages = int(view_pages(host["num_compact"], host["tail_start"],
-                                   host["seq_len"], self.settings.page_size).max())
+        max_pages = int(
+            view_pages(
+                host["num_compact"], host["tail_start"], host["seq_len"], self.settings.page_size
+            ).max()
+        )
         max_select = int(host["num_select"].max())
         if self.stage2.pow2_shapes:
             max_pages = pow2_at_least(max_pages)
             max_select = pow2_at_least(max_select)
         c = dict(zip(_HSA_COLUMNS, col))
         hsa = HsaRows(
-            tokens=c["token"].long(), block_table=block_table[c["row"].long()],
-            num_compact=c["num_compact"], tail_start=c["tail_start"],
-            seq_lens=c["seq_len"], topk=c["topk"], topr=c["topr"],
-            num_select=c["num_select"], max_pages=max_pages, max_select=max_select)
+            tokens=c["token"].long(),
+            block_table=block_table[c["row"].long()],
+            num_compact=c["num_compact"],
+            tail_start=c["tail_start"],
+            seq_lens=c["seq_len"],
+            topk=c["topk"],
+            topr=c["topr"],
+            num_select=c["num_select"],
+            max_pages=max_pages,
+            max_select=max_select,
+        )
         self.stage2.prepare(hsa)
         return hsa
 
@@ -329,29 +388,43 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         if not self._graph_ready:
             self._graph_ready = True
             self.graph = graphs.decode_graph_shape(
-                self.vllm_config, self.settings, uses_triton(self.settings),
-                test_aids_for(self.vllm_config))
+                self.vllm_config,
+                self.settings,
+                uses_triton(self.settings),
+                test_aids_for(self.vllm_config),
+            )
             if self.graph is not None:
                 rows = self.graph.rows
-                self._graph_columns = torch.zeros(len(_HSA_COLUMNS), rows,
-                                                  dtype=torch.int32, device=self.device)
-                self._graph_native_seq_lens = torch.zeros(rows, dtype=torch.int32,
-                                                          device=self.device)
+                self._graph_columns = torch.zeros(
+                    len(_HSA_COLUMNS), rows, dtype=torch.int32, device=self.device
+                )
+                self._graph_native_seq_lens = torch.zeros(
+                    rows, dtype=torch.int32, device=self.device
+                )
                 self._graph_tokens = torch.arange(rows, device=self.device)
-                self.state.graph_guard = graphs.GraphGuard(self.graph,
-                                                           self.settings.page_size)
+                self.state.graph_guard = graphs.GraphGuard(self.graph, self.settings.page_size)
                 logger.info_once(
                     "ROCKETKV: decode steps replay FULL CUDA graphs (Stage 2 "
                     "shaped for %d rows, %d view pages, %d selected pages).",
-                    rows, self.graph.max_pages, self.graph.max_select)
+                    rows,
+                    self.graph.max_pages,
+                    self.graph.max_select,
+                )
         g = self.graph
         if g is None or cm.max_query_len != 1 or not 0 < cm.num_reqs <= g.rows:
             return None
         return g
 
-    def _graph_step(self, md: RocketKVMetadata, common_prefix_len: int,
-                    cm: CommonAttentionMetadata, native_cm, fast_build: bool,
-                    rows: np.ndarray, columns: np.ndarray) -> RocketKVMetadata:
+    def _graph_step(
+        self,
+        md: RocketKVMetadata,
+        common_prefix_len: int,
+        cm: CommonAttentionMetadata,
+        native_cm,
+        fast_build: bool,
+        rows: np.ndarray,
+        columns: np.ndarray,
+    ) -> RocketKVMetadata:
         """A one-token-per-row step laid out as its FULL graph was captured:
         Stage 2 over every batch row, the compressed ``rows`` (their
         ``_columns``) active, all per-step values in the persistent buffers."""
@@ -367,14 +440,21 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         native_seq.copy_(cm.seq_lens[:batch])
         native_seq.masked_fill_(c["seq_len"] > 0, 1)
         native_cm = native_cm.replace(
-            seq_lens=native_seq,
-            seq_lens_cpu_upper_bound=self._upper_bound_with(cm, rows, 1))
+            seq_lens=native_seq, seq_lens_cpu_upper_bound=self._upper_bound_with(cm, rows, 1)
+        )
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
         g = self.graph
         md.decode = HsaRows(
-            tokens=self._graph_tokens[:batch], block_table=cm.block_table_tensor[:batch],
-            num_compact=c["num_compact"], tail_start=c["tail_start"],
-            seq_lens=c["seq_len"], topk=c["topk"], topr=c["topr"],
-            num_select=c["num_select"], max_pages=g.max_pages, max_select=g.max_select,
-            in_place=True)
+            tokens=self._graph_tokens[:batch],
+            block_table=cm.block_table_tensor[:batch],
+            num_compact=c["num_compact"],
+            tail_start=c["tail_start"],
+            seq_lens=c["seq_len"],
+            topk=c["topk"],
+            topr=c["topr"],
+            num_select=c["num_select"],
+            max_pages=g.max_pages,
+            max_select=g.max_select,
+            in_place=True,
+        )
         return md

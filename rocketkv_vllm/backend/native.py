@@ -42,18 +42,26 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int)
         key = torch.randn(3, heads, head_size, generator=gen).to(dtype)
         value = torch.randn(3, heads, head_size, generator=gen).to(dtype)
         slots = torch.tensor([1, block_size + 2, 2 * block_size - 1])
-        ops.cpu_attn_reshape_and_cache(key, value, rows[:, :, :block_size],
-                                       rows[:, :, block_size:], slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            key,
+            value,
+            rows[:, :, :block_size],
+            rows[:, :, block_size:],
+            slots,
+            isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
         k_cache, v_cache = paged.split_kv(kv_cache, layout)
         blk, off = slots // block_size, slots % block_size
-        if (torch.equal(k_cache[blk, :, off], key)
-                and torch.equal(v_cache[blk, :, off], value)):
+        if torch.equal(k_cache[blk, :, off], key) and torch.equal(v_cache[blk, :, off], value):
             return layout
     raise NotImplementedError(
         f"ROCKETKV cannot read vLLM CPU_ATTN's KV cache layout for the '{isa}' "
         f"kernels (dtype {dtype}, block size {block_size}); supported on CPU: the "
-        "vec, vec16 and amx kernels")
+        "vec, vec16 and amx kernels"
+    )
 
 
 @functools.cache
@@ -68,27 +76,32 @@ def native_backend(head_size: int, dtype: torch.dtype, block_size: int) -> Nativ
         )
 
         isa = _get_attn_isa(dtype, block_size, head_size, "auto")
-        choice = NativeChoice(CPUAttentionBackend,
-                              cpu_kv_layout(isa, dtype, head_size, block_size))
+        choice = NativeChoice(CPUAttentionBackend, cpu_kv_layout(isa, dtype, head_size, block_size))
     else:
         from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
         capability = current_platform.get_device_capability()
-        if (FlashAttentionBackend.supports_head_size(head_size)
-                and FlashAttentionBackend.supports_dtype(dtype)
-                and capability is not None
-                and FlashAttentionBackend.supports_compute_capability(capability)):
+        if (
+            FlashAttentionBackend.supports_head_size(head_size)
+            and FlashAttentionBackend.supports_dtype(dtype)
+            and capability is not None
+            and FlashAttentionBackend.supports_compute_capability(capability)
+        ):
             choice = NativeChoice(FlashAttentionBackend, "token")
         else:
             from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
             choice = NativeChoice(TritonAttentionBackend, "token")
-    logger.info_once("ROCKETKV: dense attention runs in vLLM's %s backend "
-                     "(KV layout %s).", choice.backend.get_name(), choice.kv_layout)
+    logger.info_once(
+        "ROCKETKV: dense attention runs in vLLM's %s backend (KV layout %s).",
+        choice.backend.get_name(),
+        choice.kv_layout,
+    )
     return choice
 
 
 def native_for_config(vllm_config) -> NativeChoice:
     model_config = vllm_config.model_config
-    return native_backend(model_config.get_head_size(), model_config.dtype,
-                          vllm_config.cache_config.block_size)
+    return native_backend(
+        model_config.get_head_size(), model_config.dtype, vllm_config.cache_config.block_size
+    )

@@ -60,19 +60,30 @@ class Stage2:
     def prepare(self, rows: HsaRows) -> None:
         """Once per step, in the builder (shared by all layers)."""
 
-    def reserve_scratch(self, device: torch.device, max_rows: int, num_q_heads: int,
-                        num_kv_heads: int, max_pages: int) -> None:
+    def reserve_scratch(
+        self,
+        device: torch.device,
+        max_rows: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        max_pages: int,
+    ) -> None:
         """During vLLM's memory profiling: take the scratch a step may need."""
 
-    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, rows: HsaRows,
-               scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        rows: HsaRows,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
         layout) rows with seq_len 0 are left as they are."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):
-        return paged.kt_cache_view(kv_cache, self.settings.page_size,
-                                   self.settings.kt_dtype)
+        return paged.kt_cache_view(kv_cache, self.settings.page_size, self.settings.kt_dtype)
 
 
 # Scratch (page logits and probabilities, fp32) an eager Stage 2 call may
@@ -102,8 +113,12 @@ class TritonStage2(Stage2):
         batch = query.shape[0]
         if batch <= chunk:
             return self._decode(query, kv_cache, rows, scale, None)
-        parts = [self._decode(query[a:a + chunk], kv_cache, _row_slice(rows, a, a + chunk),
-                              scale, None) for a in range(0, batch, chunk)]
+        parts = [
+            self._decode(
+                query[a : a + chunk], kv_cache, _row_slice(rows, a, a + chunk), scale, None
+            )
+            for a in range(0, batch, chunk)
+        ]
         return torch.cat(parts)
 
     def _decode(self, query, kv_cache, rows, scale, out):
@@ -112,13 +127,32 @@ class TritonStage2(Stage2):
         s = self.settings
         k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
         return triton_ops.hsa_decode_batch(
-            query, k_cache, v_cache, self._kt(kv_cache), rows.block_table,
-            rows.num_compact, rows.tail_start, rows.seq_lens, rows.topk, rows.topr,
-            s.page_size, scale, rows.max_pages, rows.max_select, s.force_current_page,
-            out=out)
+            query,
+            k_cache,
+            v_cache,
+            self._kt(kv_cache),
+            rows.block_table,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            rows.topk,
+            rows.topr,
+            s.page_size,
+            scale,
+            rows.max_pages,
+            rows.max_select,
+            s.force_current_page,
+            out=out,
+        )
 
-    def reserve_scratch(self, device: torch.device, max_rows: int, num_q_heads: int,
-                        num_kv_heads: int, max_pages: int) -> None:
+    def reserve_scratch(
+        self,
+        device: torch.device,
+        max_rows: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        max_pages: int,
+    ) -> None:
         """Take (and give back to torch's caching allocator) the most scratch
         an eager step can use, so vLLM's memory profiling counts it."""
         per_row = scratch_bytes_per_row(num_q_heads, num_kv_heads, max_pages)
@@ -130,11 +164,17 @@ class TritonStage2(Stage2):
 
 def _row_slice(rows: HsaRows, a: int, b: int) -> HsaRows:
     return HsaRows(
-        tokens=rows.tokens[a:b], block_table=rows.block_table[a:b],
-        num_compact=rows.num_compact[a:b], tail_start=rows.tail_start[a:b],
-        seq_lens=rows.seq_lens[a:b], topk=rows.topk[a:b], topr=rows.topr[a:b],
-        num_select=rows.num_select[a:b], max_pages=rows.max_pages,
-        max_select=rows.max_select)
+        tokens=rows.tokens[a:b],
+        block_table=rows.block_table[a:b],
+        num_compact=rows.num_compact[a:b],
+        tail_start=rows.tail_start[a:b],
+        seq_lens=rows.seq_lens[a:b],
+        topk=rows.topk[a:b],
+        topr=rows.topr[a:b],
+        num_select=rows.num_select[a:b],
+        max_pages=rows.max_pages,
+        max_select=rows.max_select,
+    )
 
 
 class CpuStage2(Stage2):
@@ -146,9 +186,20 @@ class CpuStage2(Stage2):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
         return cpu_ops.hsa_decode_batch(
-            query, kv_cache, self._kt(kv_cache), self.kv_layout, rows.block_table,
-            rows.num_compact, rows.tail_start, rows.seq_lens, rows.topr, rows.num_select,
-            s.page_size, scale, s.force_current_page)
+            query,
+            kv_cache,
+            self._kt(kv_cache),
+            self.kv_layout,
+            rows.block_table,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            rows.topr,
+            rows.num_select,
+            s.page_size,
+            scale,
+            s.force_current_page,
+        )
 
 
 class TorchStage2(Stage2):
@@ -157,17 +208,34 @@ class TorchStage2(Stage2):
     def prepare(self, rows):
         s = self.settings
         rows.prepared = batched.view_pages(
-            rows.block_table, rows.num_compact, rows.tail_start, rows.seq_lens,
-            s.page_size, s.block_size, rows.max_pages)
+            rows.block_table,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            s.page_size,
+            s.block_size,
+            rows.max_pages,
+        )
 
     def decode(self, query, kv_cache, rows, scale, out=None):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
         k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
         return batched.hsa_decode_batch(
-            query, k_cache, v_cache, self._kt(kv_cache), rows.block_table, rows.seq_lens,
-            rows.prepared, rows.topr, rows.num_select, rows.max_select, s.page_size,
-            scale, s.force_current_page)
+            query,
+            k_cache,
+            v_cache,
+            self._kt(kv_cache),
+            rows.block_table,
+            rows.seq_lens,
+            rows.prepared,
+            rows.topr,
+            rows.num_select,
+            rows.max_select,
+            s.page_size,
+            scale,
+            s.force_current_page,
+        )
 
 
 def uses_triton(settings: RocketKVSettings) -> bool:
@@ -190,15 +258,19 @@ def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
             raise ValueError(
                 "rocketkv.kernel='triton' is invalid with CPU_ATTN's AMX cache layout "
                 "(bf16, block_size a multiple of 32): allowed 'auto' or 'torch', or "
-                "block_size 16")
+                "block_size 16"
+            )
         impl: Stage2 = TritonStage2(settings, kv_layout)
     elif settings.kernel == "auto" and kv_layout in cpu_ops.LAYOUT_CODES:
         error = cpu_ops.build_error()
         if error is None:
             impl = CpuStage2(settings, kv_layout)
         else:
-            logger.warning("ROCKETKV: the native CPU Stage 2 kernel is unavailable "
-                           "(%s); decoding with the slower PyTorch path.", error)
+            logger.warning(
+                "ROCKETKV: the native CPU Stage 2 kernel is unavailable "
+                "(%s); decoding with the slower PyTorch path.",
+                error,
+            )
             impl = TorchStage2(settings, kv_layout)
     else:
         impl = TorchStage2(settings, kv_layout)
