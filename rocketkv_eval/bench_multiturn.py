@@ -77,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "last turn (default: 1 GiB on CPU, vLLM's choice on GPU)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="write results/multiturn-<platform>.json")
+    ap.add_argument(
+        "--json", action="store_true", help="add this workload to results/multiturn-<platform>.json"
+    )
     ap.add_argument("--out", default=None, help="write the JSON report here")
     return ap.parse_args(argv)
 
@@ -248,10 +250,18 @@ def main(argv=None) -> int:
             "kv_cache_bytes": kv_bytes,
             "results": results,
         }
+        # One file per platform, one entry per workload: a run replaces the
+        # entry of its own workload and keeps the others.
+        workload = f"{args.conversations}x{args.turns} doc {args.doc_tokens}"
+        runs = {}
+        if os.path.exists(out):
+            with open(out) as f:
+                runs = json.load(f).get("runs", {})
+        runs[workload] = doc
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {out}")
+            json.dump({"runs": runs}, f, indent=1)
+        print(f"wrote {out} ({workload!r})")
     return 0
 
 

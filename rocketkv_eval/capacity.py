@@ -75,7 +75,6 @@ def run_capacity(
         dtype=dtype,
         block_size=block_size,
         kv_cache_memory_bytes=kv_cache_bytes,
-        enable_prefix_caching=False,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=len(prompts),
     )
@@ -166,6 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--dense-backend", default=None, help="vLLM backend for the dense run (default: platform's)"
     )
+    ap.add_argument(
+        "--no-prefix-caching", action="store_true", help="switch vLLM's prefix caching off"
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
@@ -190,6 +192,7 @@ def main(argv=None) -> int:
         )
     )
 
+    caching = {"enable_prefix_caching": not args.no_prefix_caching}
     results = []
     for method in args.methods.split(","):
         if method == "dense":
@@ -207,6 +210,7 @@ def main(argv=None) -> int:
                 args.max_tokens,
                 args.block_size,
                 args.dtype,
+                engine_kw=caching,
             )
         else:
             res = run_capacity(
@@ -218,6 +222,7 @@ def main(argv=None) -> int:
                 args.max_tokens,
                 args.block_size,
                 args.dtype,
+                engine_kw=caching,
             )
             res.expected_blocks = expected_blocks(args.budget, args.prompt_tokens, args.block_size)
         results.append(res)
@@ -228,6 +233,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "kv_cache_bytes": kv_bytes,
         "prompt_tokens": args.prompt_tokens,
+        "prefix_caching": not args.no_prefix_caching,
         "results": rows,
     }
     if args.out:

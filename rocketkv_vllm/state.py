@@ -87,6 +87,36 @@ class WorkerRequests:
         return rows + [None] * (n - len(rows))
 
 
+class PromptLengths:
+    """Each batch row's prompt length, on the host.
+
+    vLLM hands the lengths over in ``rswa_prefix_lens`` (see ``engine``): a
+    host tensor under the V1 model runner. Model Runner V2 passes a device
+    tensor and each row's slot in its request table (``req_idx``); the
+    lengths come from the runner hook that records each new request's prompt
+    length by slot (``state.WorkerRequests``), so no step waits for the
+    device. A slot the hook has not seen (not expected) is read from the
+    device tensor, counted in ``device_reads``.
+    """
+
+    def __init__(self, requests) -> None:
+        self.requests = requests
+        self.device_reads = 0  # tests: how often the device was waited for
+
+    def get(self, cm, num_reqs: int) -> np.ndarray:
+        src = cm.rswa_prefix_lens[:num_reqs]
+        if cm.req_idx is None:
+            # V1 model runner: a host tensor.
+            return src.cpu().numpy().astype(np.int64)
+        slots = np.asarray(cm.req_idx[:num_reqs], dtype=np.int64)
+        lens = self.requests.prompt_lens_for_slots(slots)
+        unknown = lens < 0
+        if unknown.any():
+            self.device_reads += 1
+            lens[unknown] = src.cpu().numpy()[unknown]
+        return lens
+
+
 @dataclass
 class Counters:
     """Process-local counts (read by the benchmarks). Counting is always on

@@ -447,7 +447,7 @@ def test_graph_step_replays_its_capture(graph_builder):
     assert step.decode.seq_lens.tolist() == [1801, 0, 701, 0]
     for name, t in _graph_tensors(step.decode).items():
         assert t.data_ptr() == _graph_tensors(capture.decode)[name].data_ptr(), name
-    assert b._graph_native_seq_lens[:4].tolist() == [1, 91, 1, 0]
+    assert b.graph_buffers.native_seq_lens[:4].tolist() == [1, 91, 1, 0]
 
     query = torch.randn(4, HKV * G, D, generator=gen)
     native = torch.randn(4, HKV * G, D, generator=gen)  # the native backend's output

@@ -28,9 +28,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from rocketkv_vllm.config import RocketKVSettings, TestAids
 from rocketkv_vllm.plan import DecodeGraphShape, budget_pages_selected, shape_for
+
+
+class GraphBuffers:
+    """The persistent device tensors a FULL decode graph reads, rewritten in
+    place each step: the per-row Stage 2 columns, the native backend's
+    seq_lens, the rows' token indices."""
+
+    def __init__(self, rows: int, num_columns: int, device) -> None:
+        self.columns = torch.zeros(num_columns, rows, dtype=torch.int32, device=device)
+        self.native_seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.tokens = torch.arange(rows, device=device)
 
 
 def decode_graph_shape(

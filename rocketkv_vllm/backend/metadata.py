@@ -38,7 +38,7 @@ from rocketkv_vllm.backend.stages import HsaRows, stage2_for, uses_triton
 from rocketkv_vllm.config import pow2_at_least
 from rocketkv_vllm.engine import settings_for, test_aids_for
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
-from rocketkv_vllm.state import worker_state
+from rocketkv_vllm.state import PromptLengths, worker_state
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -72,36 +72,6 @@ class RocketKVMetadata:
         return bool(
             self.window_rows or self.stage1_rows or self.recompute or self.decode is not None
         )
-
-
-class PromptLengths:
-    """Each batch row's prompt length, on the host.
-
-    vLLM hands the lengths over in ``rswa_prefix_lens`` (see ``engine``): a
-    host tensor under the V1 model runner. Model Runner V2 passes a device
-    tensor and each row's slot in its request table (``req_idx``); the
-    lengths come from the runner hook that records each new request's prompt
-    length by slot (``state.WorkerRequests``), so no step waits for the
-    device. A slot the hook has not seen (not expected) is read from the
-    device tensor, counted in ``device_reads``.
-    """
-
-    def __init__(self, requests) -> None:
-        self.requests = requests
-        self.device_reads = 0  # tests: how often the device was waited for
-
-    def get(self, cm: CommonAttentionMetadata, num_reqs: int) -> np.ndarray:
-        src = cm.rswa_prefix_lens[:num_reqs]
-        if cm.req_idx is None:
-            # V1 model runner: a host tensor.
-            return src.cpu().numpy().astype(np.int64)
-        slots = np.asarray(cm.req_idx[:num_reqs], dtype=np.int64)
-        lens = self.requests.prompt_lens_for_slots(slots)
-        unknown = lens < 0
-        if unknown.any():
-            self.device_reads += 1
-            lens[unknown] = src.cpu().numpy()[unknown]
-        return lens
 
 
 # The per-row Stage 2 columns, int32, one host-to-device copy per step.
@@ -169,6 +139,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self._pin = is_pin_memory_available() and torch.device(device).type == "cuda"
         self._graph_ready = False
         self.graph: graphs.DecodeGraphShape | None = None
+        self.graph_buffers: graphs.GraphBuffers | None = None
 
     # -- the step -----------------------------------------------------------
 
@@ -395,13 +366,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             )
             if self.graph is not None:
                 rows = self.graph.rows
-                self._graph_columns = torch.zeros(
-                    len(_HSA_COLUMNS), rows, dtype=torch.int32, device=self.device
-                )
-                self._graph_native_seq_lens = torch.zeros(
-                    rows, dtype=torch.int32, device=self.device
-                )
-                self._graph_tokens = torch.arange(rows, device=self.device)
+                self.graph_buffers = graphs.GraphBuffers(rows, len(_HSA_COLUMNS), self.device)
                 self.state.graph_guard = graphs.GraphGuard(self.graph, self.settings.page_size)
                 logger.info_once(
                     "ROCKETKV: decode steps replay FULL CUDA graphs (Stage 2 "
@@ -432,11 +397,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         every_row = np.zeros((len(_HSA_COLUMNS), batch), dtype=np.int32)
         every_row[:, rows] = columns
         self.state.counters.decode_tokens_compressed += int(rows.size)
-        col = self._graph_columns[:, :batch]
+        buffers = self.graph_buffers
+        col = buffers.columns[:, :batch]
         col.copy_(self._staged(every_row), non_blocking=True)
         c = dict(zip(_HSA_COLUMNS, col))
         # The native call sees compressed rows with a one-token context.
-        native_seq = self._graph_native_seq_lens[:batch]
+        native_seq = buffers.native_seq_lens[:batch]
         native_seq.copy_(cm.seq_lens[:batch])
         native_seq.masked_fill_(c["seq_len"] > 0, 1)
         native_cm = native_cm.replace(
@@ -445,7 +411,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
         g = self.graph
         md.decode = HsaRows(
-            tokens=self._graph_tokens[:batch],
+            tokens=buffers.tokens[:batch],
             block_table=cm.block_table_tensor[:batch],
             num_compact=c["num_compact"],
             tail_start=c["tail_start"],
