@@ -23,37 +23,13 @@ from typing import Any
 
 from rocketkv_eval.engines import external_id, held_blocks, scheduler
 from rocketkv_eval.needle import _sentence
+from rocketkv_eval.tasks import KEY_ADJS, KEY_NOUNS
 
 # RULER-style needles (the small default model retrieves these reliably):
-# one 7-digit number per key, asked with an answer prefix to continue.
-_KEY_ADJS = [
-    "brave",
-    "silent",
-    "golden",
-    "rapid",
-    "gentle",
-    "clever",
-    "hollow",
-    "frozen",
-    "lucky",
-    "humble",
-    "fierce",
-    "silver",
-]
-_KEY_NOUNS = [
-    "falcon",
-    "dragon",
-    "tiger",
-    "rocket",
-    "castle",
-    "pirate",
-    "wizard",
-    "anchor",
-    "compass",
-    "lantern",
-    "violin",
-    "dolphin",
-]
+# one 7-digit number per key (the first twelve of the tasks' key words),
+# asked with an answer prefix to continue.
+_KEY_ADJS = KEY_ADJS[:12]
+_KEY_NOUNS = KEY_NOUNS[:12]
 FACT = "One of the special magic numbers for {key} is: {value}."
 INTRO = (
     "Some special magic numbers are hidden within the following text. Make sure "

@@ -72,7 +72,7 @@ _NOISE = [
 ]
 
 # Key words: adjective-noun pairs, clear of the filler vocabulary.
-_KEY_ADJS = [
+KEY_ADJS = [
     "brave",
     "silent",
     "golden",
@@ -94,7 +94,7 @@ _KEY_ADJS = [
     "tiny",
     "giant",
 ]
-_KEY_NOUNS = [
+KEY_NOUNS = [
     "falcon",
     "dragon",
     "tiger",
@@ -170,7 +170,7 @@ def _rng(seed: int, task: str, length: int, index: int) -> random.Random:
 
 def _key(rng: random.Random, used: set[str]) -> str:
     while True:
-        k = f"{rng.choice(_KEY_ADJS)}-{rng.choice(_KEY_NOUNS)}"
+        k = f"{rng.choice(KEY_ADJS)}-{rng.choice(KEY_NOUNS)}"
         if k not in used:
             used.add(k)
             return k
