@@ -166,6 +166,7 @@ class RocketKVManager(FullAttentionManager):
         # its forward, after the step's block copies have run.
         self._hashed_this_step: set[int] = set()
         self.prefix_account = PrefixCacheAccount()
+        self._account_path: Path | None = None  # where publish_account writes
 
     # -- requests -------------------------------------------------------------
 
@@ -202,23 +203,18 @@ class RocketKVManager(FullAttentionManager):
 
     # -- prefix caching ---------------------------------------------------------
 
-    def hit_cap(self, request) -> int | None:
-        """The longest prefix hit a compressed request may take (None: any)."""
+    def capped_hit(self, request, num_hit_tokens: int, hit_blocks) -> int:
+        """``num_hit_tokens`` within a compressed request's window cap
+        (``RequestPlan.window_hit_cap``); what the cap costs is counted. A
+        compaction target the request would copy (at admission) from a block
+        that this very step writes is not taken from the cache: the copy
+        runs before the step's forward."""
         plan = self.plan_of_request(request)
         if not plan.compress:
-            return None
-        return plan.window_hit_cap(self.settings.window_size, self.block_size)
-
-    def capped_hit(self, request, num_hit_tokens: int, hit_blocks) -> int:
-        """``num_hit_tokens`` within ``hit_cap``; what the cap costs is
-        counted. A compaction target the request would copy (at admission)
-        from a block that this very step writes is not taken from the cache:
-        the copy runs before the step's forward."""
-        cap = self.hit_cap(request)
-        if cap is None:
             return num_hit_tokens
         bs = self.block_size
-        targets = self.plan_of_request(request).compact_blocks(bs)
+        cap = plan.window_hit_cap(self.settings.window_size, bs)
+        targets = plan.compact_blocks(bs)
         for j, block in enumerate(hit_blocks[:targets]):
             if block.block_id in self._hashed_this_step:
                 return min(num_hit_tokens, j * bs)
@@ -226,6 +222,13 @@ class RocketKVManager(FullAttentionManager):
             return num_hit_tokens
         self.prefix_account.tokens_recomputed += num_hit_tokens - cap
         return cap
+
+    def publish_account(self, engine_index: int) -> None:
+        """Write the prefix-cache account for the API server's metrics (its
+        path, which reads /proc, is found once)."""
+        if self._account_path is None:
+            self._account_path = account_path(engine_index)
+        self.prefix_account.publish(self._account_path)
 
     def new_step_starts(self) -> None:
         self._hashed_this_step.clear()

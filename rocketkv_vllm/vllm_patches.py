@@ -142,12 +142,11 @@ def _reserve_prefill_lookahead(original):
 def _make_stats(original):
     def make_stats(self, *args, **kwargs):
         stats = original(self, *args, **kwargs)
-        from rocketkv_vllm.kv_cache import account_path, rocketkv_manager
+        from rocketkv_vllm.kv_cache import rocketkv_manager
 
         manager = rocketkv_manager(self.kv_cache_manager)
         if stats is not None and manager is not None:
-            rank = self.vllm_config.parallel_config.data_parallel_rank
-            manager.prefix_account.publish(account_path(rank))
+            manager.publish_account(self.vllm_config.parallel_config.data_parallel_rank)
         return stats
 
     return make_stats
