@@ -14,7 +14,9 @@ Per method and turn: TTFT p50 / p90 (vLLM's engine timestamps, queued to
 first token), wall time of the turn (first submission to last finish), the
 share of prompt tokens served from the prefix cache, KV blocks held per
 request after its prefill, answers right; per method: wall time, peak
-requests running at once, preemptions.
+requests running at once, preemptions, and the pool's blocks beside the
+time-weighted mean of its free ones (the most the prefix cache can hold
+while the requests run: cached blocks are free blocks).
 
     python scripts/bench_multiturn.py --conversations 1 --turns 4 --doc-tokens 6000
     python scripts/bench_multiturn.py --conversations 8 --turns 4 \\
@@ -128,6 +130,8 @@ def summarize(result, turns: int) -> dict:
         "wall_s": round(result.wall_s, 2),
         "peak_running": result.peak_running,
         "preemptions": result.preemptions,
+        "pool_blocks": result.pool_blocks,
+        "free_blocks_mean": round(result.free_blocks_mean, 1),
         "finished": len(result.turns),
         "correct": sum(r.correct for r in result.turns),
         "later_turns_wall_s": round(sum(r.wall_s for r in later), 2),
@@ -268,7 +272,7 @@ def main(argv=None) -> int:
 def table(results: dict) -> str:
     lines = [
         f"{'method':18} {'wall s':>7} {'later s':>8} {'cached':>7} {'peak':>5} "
-        f"{'preempt':>8} {'right':>6}  per turn: wall s / TTFT p50 s / cached"
+        f"{'preempt':>8} {'free/pool':>10} {'right':>6}  per turn: wall s / TTFT p50 s / cached"
     ]
     for method, r in results.items():
         turns = "  ".join(
@@ -278,6 +282,7 @@ def table(results: dict) -> str:
         lines.append(
             f"{method:18} {r['wall_s']:>7} {r['later_turns_wall_s']:>8} "
             f"{(f'{share:.0%}' if share is not None else '-'):>7} {r['peak_running']:>5} "
-            f"{r['preemptions']:>8} {r['correct']:>3}/{r['finished']:<3} {turns}"
+            f"{r['preemptions']:>8} {r['free_blocks_mean']:>5.0f}/{r['pool_blocks']:<4} "
+            f"{r['correct']:>3}/{r['finished']:<3} {turns}"
         )
     return "\n".join(lines)

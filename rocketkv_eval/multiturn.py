@@ -147,6 +147,11 @@ class RunResult:
     wall_s: float = 0.0
     peak_running: int = 0
     preemptions: int = 0
+    # KV blocks of the pool (null block excluded) and the time-weighted mean
+    # of the free ones: prefix-cache entries live only in free blocks, so
+    # this bounds how much of the conversations' prefixes can stay cached.
+    pool_blocks: int = 0
+    free_blocks_mean: float = 0.0
 
     def later(self) -> list[TurnResult]:
         return [t for t in self.turns if t.turn > 0]
@@ -186,13 +191,18 @@ def run_conversations(
         submitted[rid] = (c, t, len(ids), time.perf_counter())
         engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
 
+    pool = sched.kv_cache_manager.block_pool
+    result.pool_blocks = pool.num_gpu_blocks - 1
+    free_block_seconds = 0.0
     start = time.perf_counter()
     for c in range(len(conversations)):
         submit(c, 0)
     blocks: dict[str, int] = {}
     try:
         while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
             outputs = engine.step()
+            free_block_seconds += pool.get_num_free_blocks() * (time.perf_counter() - step_start)
             result.peak_running = max(result.peak_running, len(sched.running))
             for r in sched.running:
                 rid = external_id(r)
@@ -225,5 +235,6 @@ def run_conversations(
     finally:
         sched._preempt_request = preempt
     result.wall_s = time.perf_counter() - start
+    result.free_blocks_mean = free_block_seconds / result.wall_s
     result.turns.sort(key=lambda r: (r.conversation, r.turn))
     return result
