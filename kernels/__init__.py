@@ -28,5 +28,5 @@ The channel stride is an ordinary integer argument: Triton specializes
 integers equal to 1, so the contiguous case compiles exactly as with a
 hard-coded unit stride.
 
-No vLLM import anywhere here; ``rocketkv_vllm.triton_ops`` composes them.
+No vLLM import anywhere here; ``rocketkv_vllm.ops.triton`` composes them.
 """

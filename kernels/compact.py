@@ -28,7 +28,7 @@ Under the interpreter a tile's load completes before its store anyway.
 
 ``write_kt_pages`` -- the KT min/max pages covering logical slots [lo, hi)
 (lo page aligned) from the keys in [lo, hi) only (slots >= hi of the last
-page are ignored), exactly like ``paged.write_kt_pages`` (a uint8 KT cache
+page are ignored), exactly like ``ops.pytorch.write_kt_pages`` (a uint8 KT cache
 gets the fp8 rows of ``algorithm.kt_fp8``, bit for bit). A page never
 straddles a KV block because page_size divides block_size.
 """
@@ -220,7 +220,7 @@ def write_kt_pages(
 ) -> None:
     """Recompute the KT pages covering logical slots [lo, hi) from the keys
     in [lo, hi) only (lo page aligned); same semantics as
-    ``paged.write_kt_pages``. k_cache: [num_blocks, Hkv, bs, d] view."""
+    ``ops.pytorch.write_kt_pages``. k_cache: [num_blocks, Hkv, bs, d] view."""
     lo, hi = int(lo), int(hi)
     if hi <= lo:
         return

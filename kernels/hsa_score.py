@@ -22,7 +22,7 @@ Per decode row b and KV head h with query heads q_1..q_G (G = Hq / Hkv):
   token gets 2.0 and is selected as an extra page (n_use below counts it on
   top).
 
-The view's pages (see ``paged``): j < npc = ceil(num_compact / ps) start at
+The view's pages (see ``layout``): j < npc = ceil(num_compact / ps) start at
 j * ps, the others at tail_start + (j - npc) * ps; P = npc +
 ceil((seq_len - tail_start) / ps).
 

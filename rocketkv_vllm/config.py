@@ -15,6 +15,8 @@ worker-side backend derive the same plan for a request (``plan``).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -22,6 +24,8 @@ from importlib import resources
 from typing import Any
 
 import yaml
+
+from rocketkv_vllm.budget import split_token_budget
 
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -343,8 +347,6 @@ def resolve_settings(
     cfg: RocketKVConfig, block_size: int, head_dim: int, max_model_len: int
 ) -> RocketKVSettings:
     """Bind the user config to the engine; raise on combinations out of range."""
-    from rocketkv_vllm.plan import split_token_budget
-
     if cfg.page_size is not None:
         page_size = cfg.page_size
     elif cfg.token_budget is not None:
@@ -420,3 +422,59 @@ def parse_test_aids(raw: dict[str, Any] | None) -> TestAids:
                 f"{sorted(allowed)}, each true or false"
             )
     return TestAids(**raw)
+
+
+# Settings of an engine, read from its VllmConfig (duck-typed: no vLLM import).
+
+
+def _normalized(key: str) -> str:
+    return key.lower().replace("_", "").replace("-", "")
+
+
+def _extra(vllm_config) -> dict:
+    extra = vllm_config.additional_config or {}
+    return extra if isinstance(extra, dict) else {}
+
+
+def raw_config(vllm_config) -> dict:
+    """``additional_config["rocketkv"]``; a near miss of the key (``rocketKV``,
+    ``rocket_kv``) is an error, not silently the default settings."""
+    extra = _extra(vllm_config)
+    for key in extra:
+        if key != CONFIG_KEY and _normalized(str(key)) == CONFIG_KEY:
+            raise RocketKVConfigError(
+                f"additional_config key {key!r} is not a ROCKETKV key: did you mean {CONFIG_KEY!r}?"
+            )
+    raw = extra.get(CONFIG_KEY)
+    if raw is not None and not isinstance(raw, dict):
+        raise RocketKVConfigError(
+            f"additional_config.{CONFIG_KEY} must be a JSON object, got {raw!r}"
+        )
+    return raw or {}
+
+
+@functools.lru_cache(maxsize=64)
+def _settings(
+    raw_json: str, block_size: int, head_dim: int, max_model_len: int
+) -> RocketKVSettings:
+    return resolve_settings(
+        parse_config(json.loads(raw_json)),
+        block_size=block_size,
+        head_dim=head_dim,
+        max_model_len=max_model_len,
+    )
+
+
+def settings_for(vllm_config) -> RocketKVSettings:
+    """The ROCKETKV settings of the engine this config describes."""
+    model_config = vllm_config.model_config
+    return _settings(
+        json.dumps(raw_config(vllm_config), sort_keys=True),
+        vllm_config.cache_config.block_size,
+        model_config.get_head_size(),
+        model_config.max_model_len,
+    )
+
+
+def test_aids_for(vllm_config) -> TestAids:
+    return parse_test_aids(_extra(vllm_config).get(TEST_AIDS_KEY))

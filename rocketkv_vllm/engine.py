@@ -3,29 +3,18 @@
 ``configure_engine`` runs right after the platform's own
 ``check_and_update_config`` while vLLM builds its ``VllmConfig``
 (``vllm_patches``), so every problem surfaces at startup with the name of
-the offending field. ``settings_for`` gives the settings of an engine from
-its ``VllmConfig`` wherever they are needed; ``validate_request`` refuses,
-per request, what ROCKETKV cannot serve.
+the offending field; ``validate_request`` refuses, per request, what
+ROCKETKV cannot serve. (An engine's settings are read from its
+``VllmConfig`` by ``config.settings_for``.)
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 
 from vllm.logger import init_logger
 
-from rocketkv_vllm.config import (
-    CONFIG_KEY,
-    TEST_AIDS_KEY,
-    RocketKVConfigError,
-    RocketKVSettings,
-    TestAids,
-    parse_config,
-    parse_test_aids,
-    resolve_settings,
-)
+from rocketkv_vllm.config import RocketKVConfigError, RocketKVSettings, settings_for, test_aids_for
 from rocketkv_vllm.plan import plan_request
 
 # Under the "vllm" logger so records show with vLLM's own formatting.
@@ -56,59 +45,6 @@ def is_rocketkv(selected_backend) -> bool:
 def is_rocketkv_engine(vllm_config) -> bool:
     attention = getattr(vllm_config, "attention_config", None)
     return attention is not None and is_rocketkv(attention.backend)
-
-
-def _normalized(key: str) -> str:
-    return key.lower().replace("_", "").replace("-", "")
-
-
-def _extra(vllm_config) -> dict:
-    extra = vllm_config.additional_config or {}
-    return extra if isinstance(extra, dict) else {}
-
-
-def raw_config(vllm_config) -> dict:
-    """``additional_config["rocketkv"]``; a near miss of the key (``rocketKV``,
-    ``rocket_kv``) is an error, not silently the default settings."""
-    extra = _extra(vllm_config)
-    for key in extra:
-        if key != CONFIG_KEY and _normalized(str(key)) == CONFIG_KEY:
-            raise RocketKVConfigError(
-                f"additional_config key {key!r} is not a ROCKETKV key: did you mean {CONFIG_KEY!r}?"
-            )
-    raw = extra.get(CONFIG_KEY)
-    if raw is not None and not isinstance(raw, dict):
-        raise RocketKVConfigError(
-            f"additional_config.{CONFIG_KEY} must be a JSON object, got {raw!r}"
-        )
-    return raw or {}
-
-
-@functools.lru_cache(maxsize=64)
-def _settings(
-    raw_json: str, block_size: int, head_dim: int, max_model_len: int
-) -> RocketKVSettings:
-    return resolve_settings(
-        parse_config(json.loads(raw_json)),
-        block_size=block_size,
-        head_dim=head_dim,
-        max_model_len=max_model_len,
-    )
-
-
-def settings_for(vllm_config) -> RocketKVSettings:
-    """The ROCKETKV settings of the engine this config describes."""
-    model_config = vllm_config.model_config
-    return _settings(
-        json.dumps(raw_config(vllm_config), sort_keys=True),
-        vllm_config.cache_config.block_size,
-        model_config.get_head_size(),
-        model_config.max_model_len,
-    )
-
-
-def test_aids_for(vllm_config) -> TestAids:
-    return parse_test_aids(_extra(vllm_config).get(TEST_AIDS_KEY))
 
 
 def kept_tokens_for_prompt(vllm_config, num_prompt_tokens: int) -> int:

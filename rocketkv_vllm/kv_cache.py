@@ -42,7 +42,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from rocketkv_vllm.config import RocketKVSettings
-from rocketkv_vllm.paged import kt_row_bytes
+from rocketkv_vllm.layout import kt_row_bytes
 from rocketkv_vllm.plan import PlanCache, RequestPlan
 from rocketkv_vllm.requests import planned_budget
 

@@ -58,8 +58,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from rocketkv_vllm.config import RocketKVSettings
-from rocketkv_vllm.engine import is_rocketkv_engine, settings_for
+from rocketkv_vllm.config import RocketKVSettings, settings_for
+from rocketkv_vllm.engine import is_rocketkv_engine
 from rocketkv_vllm.kv_cache import account_path, remove_account
 from rocketkv_vllm.plan import PlanCache, RequestPlan, view_pages
 from rocketkv_vllm.requests import planned_budget

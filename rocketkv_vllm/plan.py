@@ -8,11 +8,11 @@ Stage 2; API server: metrics) derives the same plan without being told.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from rocketkv_vllm.budget import split_token_budget
 from rocketkv_vllm.config import RocketKVSettings
 
 
@@ -40,30 +40,6 @@ def max_view_pages(max_model_len: int, page_size: int) -> int:
     hold at most ``max_model_len`` tokens, and each may end in a partial
     page."""
     return cdiv(max_model_len, page_size) + 1
-
-
-@dataclass(frozen=True)
-class BudgetSplit:
-    prompt_budget: int
-    topk: int
-    page_size: int
-    topr: int
-
-
-def split_token_budget(
-    token_budget: int, num_prompt_tokens: int, max_new_tokens: int, head_dim: int
-) -> BudgetSplit:
-    """SPEC §1 "budget split from one number", before any kernel rounding."""
-    total = num_prompt_tokens + max_new_tokens
-    c = max(1.0, total / token_budget)
-    alpha = min(0.2 + 0.06 * math.log2(c), 0.8)
-    cap = max(int(total / c**alpha), min(2 * max_new_tokens, total))
-    c2 = max(1.0, cap / token_budget)
-    page_size = math.ceil(math.sqrt(c2))
-    if page_size > c2:
-        page_size = 1
-    topr = min(max(round(head_dim * page_size / c2), 1), head_dim)
-    return BudgetSplit(cap - max_new_tokens, token_budget // 2, page_size, topr)
 
 
 @dataclass(frozen=True)
@@ -170,36 +146,3 @@ class PlanCache:
                 self._plans.clear()
             plan = self._plans[key] = plan_request(self.settings, *key)
         return plan
-
-
-def max_topk(settings: RocketKVSettings) -> int:
-    """The largest per-step token selection any request of the engine uses
-    (a per-request budget may select more: ``budget_pages_selected``)."""
-    if settings.token_budget is None:
-        return settings.topk
-    return budget_pages_selected(settings.token_budget, settings.page_size) * settings.page_size
-
-
-def budget_pages_selected(token_budget: int, page_size: int) -> int:
-    """Pages selected per step by a request planned with this token budget
-    (its top-k is half the budget, in whole pages: ``plan_request``)."""
-    return pages_selected(token_budget // 2, page_size)
-
-
-@dataclass(frozen=True)
-class DecodeGraphShape:
-    rows: int  # the largest decode batch a FULL graph is captured for
-    max_pages: int  # >= any request's view pages
-    max_select: int  # >= the pages of the engine's largest selection
-
-    def takes(self, num_select: int) -> bool:
-        return num_select <= self.max_select
-
-
-def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> DecodeGraphShape:
-    """Stage 2's launch shape for FULL CUDA graphs (``backend.graphs``): the
-    most view pages any request can have, the engine's largest selection."""
-    max_pages = max_view_pages(max_model_len, settings.page_size)
-    return DecodeGraphShape(
-        rows, max_pages, min(pages_selected(max_topk(settings), settings.page_size), max_pages)
-    )

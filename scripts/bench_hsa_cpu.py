@@ -43,9 +43,10 @@ def main() -> None:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from rocketkv_vllm import batched, paged
     from rocketkv_vllm.backend.native import cpu_kv_layout
     from rocketkv_vllm.config import RocketKVConfig, resolve_settings
+    from rocketkv_vllm.layout import kt_cache_view, split_kv
+    from rocketkv_vllm.ops import pytorch as torch_ops
     from rocketkv_vllm.plan import plan_request
 
     dtype, bs, hkv, g, d = torch.bfloat16, 32, args.kv_heads, args.group, args.head_dim
@@ -63,10 +64,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     storage = torch.randn(num_blocks * block_elems, generator=gen).to(dtype)
     kv = storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1))
-    k_cache, v_cache = paged.split_kv(kv, layout)
+    k_cache, v_cache = split_kv(kv, layout)
     # Room for bf16 KT rows, which are larger than fp8 ones: each format's
     # view starts at the same place, so each is written before its runs.
-    kt_views = {kt: paged.kt_cache_view(kv, ps, kt) for kt in ("auto", "fp8_e4m3")}
+    kt_views = {kt: kt_cache_view(kv, ps, kt) for kt in ("auto", "fp8_e4m3")}
     table = (
         (torch.randperm(num_blocks - 1, generator=gen)[: args.batch * blocks_per_row] + 1)
         .view(args.batch, blocks_per_row)
@@ -125,23 +126,23 @@ def main() -> None:
     col = lambda v: torch.full((args.batch,), v, dtype=torch.int32)  # noqa: E731
     num_compact, tail_start = col(plan.num_compact), col(plan.tail_start)
     max_pages = -(-plan.num_compact // ps) + -(-(n + 1 - plan.tail_start) // ps)
-    view = batched.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
+    view = torch_ops.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
     num_select = max(plan.topk // ps, 1)
 
-    from rocketkv_vllm import cpu_ops
+    from rocketkv_vllm.ops import cpu as cpu_ops
 
     def write_kt(kt_cache) -> None:
         # A compressed request's KT pages: its compact part and its tail.
         for row in table:
-            paged.write_kt_pages(k_cache, kt_cache, row, 0, plan.num_compact, ps)
-            paged.write_kt_pages(k_cache, kt_cache, row, plan.tail_start, n + 1, ps)
+            torch_ops.write_kt_pages(k_cache, kt_cache, row, 0, plan.num_compact, ps)
+            torch_ops.write_kt_pages(k_cache, kt_cache, row, plan.tail_start, n + 1, ps)
 
     def stage2(kt_dtype: str):
         kt_cache = kt_views[kt_dtype]
         write_kt(kt_cache)
 
         def sparse() -> None:
-            batched.hsa_decode_batch(
+            torch_ops.hsa_decode(
                 query,
                 k_cache,
                 v_cache,
@@ -158,7 +159,7 @@ def main() -> None:
             )
 
         def native() -> None:
-            cpu_ops.hsa_decode_batch(
+            cpu_ops.hsa_decode(
                 query,
                 kv,
                 kt_cache,

@@ -18,7 +18,7 @@ context + generated). Methods:
   (``unified_attention`` with the builder's 3D-split threshold and softmax
   segment buffers);
 * ``dense_own``         -- our ``kernels.dense_decode`` (split-K flash decoding);
-* ``rocketkv``          -- ``triton_ops.hsa_decode_batch``: the whole Stage-2
+* ``rocketkv``          -- ``triton_ops.hsa_decode``: the whole Stage-2
   chain (KT update, page scoring, top-n page selection, sparse attention),
   once per config (``--configs``; default ``token_budget=2048``, the
   ``trtllm`` preset, and that preset with fp8 KT pages), each resolved as the backend does
@@ -27,7 +27,7 @@ context + generated). Methods:
   such a request has: ``num_compact`` kept tokens compacted onto its first
   blocks, the tail from ``tail_start`` in place, the freed blocks null;
   launched with the shapes of the backend's FULL decode graphs
-  (``plan.shape_for``: max_pages = max_model_len / ps + 1,
+  (``backend.graphs.shape_for``: max_pages = max_model_len / ps + 1,
   max_select = max_topk // ps; the kernels loop over each row's own view
   pages = ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps)).
   Per-kernel eager times of the four stages are added.
@@ -89,13 +89,16 @@ try:  # config.py imports yaml (preset files); a bare GPU host may lack it
 except ImportError:  # pragma: no cover
     sys.modules["yaml"] = types.ModuleType("yaml")
 
-from rocketkv_vllm import paged, triton_ops  # noqa: E402
+from rocketkv_vllm.backend.graphs import shape_for  # noqa: E402
+from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
 from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
 from rocketkv_vllm.kernels.kt_update import kt_update  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
-from rocketkv_vllm.plan import plan_request, shape_for  # noqa: E402
+from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
+from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
+from rocketkv_vllm.plan import plan_request  # noqa: E402
 
 DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")
 METHODS = DENSE_METHODS + ("rocketkv",)
@@ -462,13 +465,13 @@ def make_cache(num_blocks, hkv, d, bs, page_size, dtype, device, kt_dtype="auto"
     width = 2 * d
     kt_elems = 0
     if page_size:
-        kt_bytes = hkv * (bs // page_size) * paged.kt_row_bytes(d, dtype, kt_dtype)
+        kt_bytes = hkv * (bs // page_size) * kt_row_bytes(d, dtype, kt_dtype)
         kt_elems = cdiv(kt_bytes, dtype.itemsize)
     block = hkv * bs * width + kt_elems
     storage = torch.empty(num_blocks * block, dtype=dtype, device=device)
     storage.normal_()
     kv = torch.as_strided(storage, (num_blocks, hkv, bs, width), (block, bs * width, width, 1))
-    kt = paged.kt_cache_view(kv, page_size, kt_dtype) if page_size else None
+    kt = kt_cache_view(kv, page_size, kt_dtype) if page_size else None
     return kv, kt
 
 
@@ -493,7 +496,7 @@ def dense_state(ctx, batch, a, dev):
 
 
 def own_call(st):
-    k_cache, v_cache = paged.split_kv(st["kv"], "token")
+    k_cache, v_cache = split_kv(st["kv"], "token")
 
     def call():
         dense_decode(
@@ -539,7 +542,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     compact_blocks, tail_blocks = cdiv(nc, bs), cdiv(seq_len - ts, bs)
     view_blocks = compact_blocks + tail_blocks
     kv, kt = make_cache(batch * view_blocks + 1, hkv, d, bs, ps, a.dtype, dev, settings.kt_dtype)
-    k_cache, v_cache = paged.split_kv(kv, "token")
+    k_cache, v_cache = split_kv(kv, "token")
     table = torch.zeros(batch, cdiv(seq_len, bs), dtype=torch.int32, device=dev)
     perm = torch.randperm(batch * view_blocks, device=dev).add_(1).to(torch.int32)
     perm = perm.view(batch, view_blocks)
@@ -560,7 +563,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     force = settings.force_current_page
 
     def call():
-        triton_ops.hsa_decode_batch(
+        triton_ops.hsa_decode(
             q,
             k_cache,
             v_cache,
@@ -618,14 +621,14 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
             }
         )
     esize = kv.element_size()
-    bytes_kt = batch * hkv * view_pages * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype)
+    bytes_kt = batch * hkv * view_pages * kt_row_bytes(d, a.dtype, settings.kt_dtype)
     bytes_kv = batch * hkv * n_sel * ps * 2 * d * esize
     bytes_scratch = (
         batch * hq * view_pages * 4 * 2  # logits: write + read
         + batch * hkv * max_pages * 4 * 2
     )  # probs: write + read
     bytes_kt_update = (
-        batch * hkv * (ps * d * esize + 2 * paged.kt_row_bytes(d, a.dtype, settings.kt_dtype))
+        batch * hkv * (ps * d * esize + 2 * kt_row_bytes(d, a.dtype, settings.kt_dtype))
     )
     row.update(
         {
@@ -667,13 +670,13 @@ def bench_stage1(a, dev, timer):
     ps, w, kernel = settings.page_size, settings.window_size, settings.kernel_size
     blocks = cdiv(n, bs)
     kv, kt = make_cache(blocks + 1, hkv, d, bs, ps, a.dtype, dev)
-    k_cache, v_cache = paged.split_kv(kv, "token")
+    k_cache, v_cache = split_kv(kv, "token")
     row = torch.randperm(blocks, device=dev).add_(1).to(torch.int32)
     q_win = torch.randn(w, hq, d, dtype=a.dtype, device=dev)
     scale = d**-0.5
 
     def stage1():
-        triton_ops.snapkv_compress(
+        TritonStage1().compress(
             k_cache,
             v_cache,
             kt,

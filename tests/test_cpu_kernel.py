@@ -7,7 +7,10 @@ per-request oracle itself (``paged.hsa_decode``)."""
 import pytest
 import torch
 
-from rocketkv_vllm import batched, cpu_ops, paged
+from rocketkv_vllm import paged
+from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
+from rocketkv_vllm.ops import cpu as cpu_ops
+from rocketkv_vllm.ops import pytorch as torch_ops
 
 NUM_BLOCKS = 120
 
@@ -20,7 +23,7 @@ def test_the_extension_builds_here():
 
 def _cache(hkv, d, bs, ps, dtype, kt_dtype="auto"):
     pages = bs // ps
-    kt_bytes = hkv * pages * paged.kt_row_bytes(d, dtype, kt_dtype)
+    kt_bytes = hkv * pages * kt_row_bytes(d, dtype, kt_dtype)
     block_elems = hkv * bs * 2 * d + -(-kt_bytes // dtype.itemsize)
     storage = torch.full((NUM_BLOCKS * block_elems,), float("nan"), dtype=dtype)
     return storage, block_elems
@@ -30,8 +33,8 @@ def _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype="auto"):
     kv = torch.as_strided(
         storage, (NUM_BLOCKS, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1)
     )
-    k, v = paged.split_kv(kv, layout)
-    return kv, k, v, paged.kt_cache_view(kv, ps, kt_dtype)
+    k, v = split_kv(kv, layout)
+    return kv, k, v, kt_cache_view(kv, ps, kt_dtype)
 
 
 def _query(batch, hkv, g, d, dtype, gen):
@@ -115,7 +118,7 @@ def test_amx_layout_needs_head_size_multiple_of_32():
     kv, _, _, kt = _views(storage, block_elems, 1, 80, 32, 4, "head_rows")
     ones = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="AMX layout needs head_size"):
-        cpu_ops.hsa_decode_batch(
+        cpu_ops.hsa_decode(
             torch.zeros(1, 1, 80, dtype=torch.bfloat16),
             kv,
             kt,
@@ -168,8 +171,8 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
         seq = seq + 1
         query = _query(len(plans), hkv, g, d, dtype, gen)
         max_pages = int(((num_compact + ps - 1) // ps + (seq - tail_start + ps - 1) // ps).max())
-        view = batched.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
-        want = batched.hsa_decode_batch(
+        view = torch_ops.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
+        want = torch_ops.hsa_decode(
             query,
             k,
             v,
@@ -184,7 +187,7 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
             d**-0.5,
             force,
         )
-        got = cpu_ops.hsa_decode_batch(
+        got = cpu_ops.hsa_decode(
             query,
             kv2,
             kt2,

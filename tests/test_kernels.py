@@ -39,12 +39,13 @@ try:
 except ImportError:  # plain `python tests/test_kernels.py` on a bare GPU host
     pytest = None
 
-from rocketkv_vllm import paged, triton_ops  # noqa: E402
+from rocketkv_vllm import paged  # noqa: E402
 from rocketkv_vllm.algorithm import (  # noqa: E402
     pool_scores,
     sparse_attention,
     window_attention_scores,
 )
+from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
 from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
@@ -53,6 +54,9 @@ from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa
 from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
 from rocketkv_vllm.kernels.window_scores import window_scores  # noqa: E402
+from rocketkv_vllm.layout import kt_bounds, kt_cache_view, kt_row_bytes, physical_slots, split_kv  # noqa: E402
+from rocketkv_vllm.ops import pytorch as torch_ops  # noqa: E402
+from rocketkv_vllm.ops import triton as triton_ops
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")
@@ -115,7 +119,7 @@ class Cache:
     ):
         assert layout in LAYOUTS
         width = 2 * d
-        kt_bytes = hkv * (bs // ps) * paged.kt_row_bytes(d, dtype, kt_dtype)
+        kt_bytes = hkv * (bs // ps) * kt_row_bytes(d, dtype, kt_dtype)
         self.data_elems = hkv * bs * width + -(-kt_bytes // dtype.itemsize)
         self.block_elems = self.data_elems + self.GUARD
         self.storage = torch.full(
@@ -140,11 +144,11 @@ class Cache:
                 self.storage, shape, (self.block_elems, d, hkv * d, 1), hkv * bs * d
             )
         else:
-            self.k, self.v = paged.split_kv(self.kv, self.layout)
+            self.k, self.v = split_kv(self.kv, self.layout)
         if self.layout == "cpu_vec":  # K's last dim really is strided
             assert self.k.stride(-1) == bs and self.v.stride(-1) == 1
         assert self.k.stride(0) > self.k[0].numel() * 2  # padded blocks
-        self.kt = paged.kt_cache_view(self.kv, self.ps, self.kt_dtype)
+        self.kt = kt_cache_view(self.kv, self.ps, self.kt_dtype)
 
     def clone(self) -> Cache:
         other = object.__new__(Cache)
@@ -177,7 +181,7 @@ class Cache:
         if len(slots) == 0:
             return
         slots = torch.as_tensor(slots, device=row.device)
-        blocks, offsets = paged.physical_slots(row, slots, self.bs)
+        blocks, offsets = physical_slots(row, slots, self.bs)
         self.k[blocks, :, offsets] = float("nan")
         self.v[blocks, :, offsets] = float("nan")
 
@@ -185,7 +189,7 @@ class Cache:
         if len(starts) == 0:
             return
         starts = torch.as_tensor(starts, device=row.device)
-        blocks, offsets = paged.physical_slots(row, starts, self.bs)
+        blocks, offsets = physical_slots(row, starts, self.bs)
         # fp8 rows: 0xff is a NaN code, and a NaN scale
         self.kt[blocks, :, offsets // self.ps, :] = (
             0xFF if self.kt.dtype == torch.uint8 else float("nan")
@@ -284,7 +288,7 @@ def test_compact_in_place_with_overlap(hkv, d, bs, dtype, count, layout):
     assert bool((kept >= torch.arange(count, device=DEVICE)).all())
     ref = c.clone()
     compact_kept_tokens(c.k, c.v, row, kept)
-    paged.compact_kept_tokens(ref.k, ref.v, row, kept)
+    torch_ops.compact_kept_tokens(ref.k, ref.v, row, kept)
     _same_storage(c, ref)
 
 
@@ -314,7 +318,7 @@ def test_write_kt_pages(hkv, d, bs, ps, dtype, ranges, layout, kt_dtype):
     ref = c.clone()
     for lo, hi in ranges:
         write_kt_pages(c.k, c.kt, row, lo, hi, ps)
-        paged.write_kt_pages(ref.k, ref.kt, row, lo, hi, ps)
+        torch_ops.write_kt_pages(ref.k, ref.kt, row, lo, hi, ps)
     _same_storage(c, ref)
 
 
@@ -355,9 +359,7 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
     pooled = pool_scores(window_attention_scores(q, keys, scale), kernel).cpu()
 
     before = c.clone()
-    kept = triton_ops.snapkv_compress(
-        c.k, c.v, c.kt, row, q, n, budget, tail_start, kernel, ps, scale
-    )
+    kept = TritonStage1().compress(c.k, c.v, c.kt, row, q, n, budget, tail_start, kernel, ps, scale)
     assert kept.shape == (hkv, budget)
     num_select = budget - (n - protect_from)
     chosen = kept[:, :num_select].cpu()
@@ -367,9 +369,9 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
     _pooled_ref_topk_ok(pooled, chosen, protect_from, tol=1e-5 + 1e-4 * float(pooled.max()))
     # The cache holds exactly what the reference moves for these positions.
     num_compact = budget - (n - tail_start)
-    paged.compact_kept_tokens(before.k, before.v, row, kept[:, :num_compact])
-    paged.write_kt_pages(before.k, before.kt, row, 0, num_compact, ps)
-    paged.write_kt_pages(before.k, before.kt, row, tail_start, n, ps)
+    torch_ops.compact_kept_tokens(before.k, before.v, row, kept[:, :num_compact])
+    torch_ops.write_kt_pages(before.k, before.kt, row, 0, num_compact, ps)
+    torch_ops.write_kt_pages(before.k, before.kt, row, tail_start, n, ps)
     _same_storage(c, before)
 
 
@@ -387,9 +389,9 @@ def test_snapkv_compress_without_eviction(n, ps, layout, kt_dtype):
     c.fill(row, 0, n, gen)
     q = torch.randn(16, hkv * g, d, generator=gen).to(DEVICE)
     ref = c.clone()
-    kept = triton_ops.snapkv_compress(c.k, c.v, c.kt, row, q, n, n, n // bs * bs, 7, ps, d**-0.5)
+    kept = TritonStage1().compress(c.k, c.v, c.kt, row, q, n, n, n // bs * bs, 7, ps, d**-0.5)
     assert torch.equal(kept.cpu(), torch.arange(n).expand(hkv, n))
-    paged.write_kt_pages(ref.k, ref.kt, row, 0, n, ps)
+    torch_ops.write_kt_pages(ref.k, ref.kt, row, 0, n, ps)
     _same_storage(c, ref)
 
 
@@ -412,8 +414,8 @@ def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True, layout="token
             continue
         c.fill(row, 0, nc, gen)
         c.fill(row, ts, seq, gen)
-        paged.write_kt_pages(c.k, c.kt, row, 0, nc, ps)
-        paged.write_kt_pages(c.k, c.kt, row, ts, seq, ps)
+        torch_ops.write_kt_pages(c.k, c.kt, row, 0, nc, ps)
+        torch_ops.write_kt_pages(c.k, c.kt, row, ts, seq, ps)
         if not poison:
             c.fill(row, nc, ts, gen)  # stale but finite data outside the view
     return c, rows
@@ -461,14 +463,14 @@ def _queries_without_channel_ties(batch, hkv, g, d, dtype, topr, gen):
 def _view_rows(c, row, nc, ts, seq):
     """Stored KT rows [P, Hkv, width] of a view's pages, and the page starts."""
     starts = paged.view_page_starts(nc, ts, seq, c.ps, DEVICE)
-    blocks, offsets = paged.physical_slots(row, starts, c.bs)
+    blocks, offsets = physical_slots(row, starts, c.bs)
     return c.kt[blocks, :, offsets // c.ps], starts
 
 
 def _view_kt(c, row, nc, ts, seq):
     """(min, max, starts) of a view's KT pages (fp8 rows decoded to fp32)."""
     rows, starts = _view_rows(c, row, nc, ts, seq)
-    return *paged.kt_bounds(rows, c.d), starts
+    return *kt_bounds(rows, c.d), starts
 
 
 def _page_tokens(starts, nc, ts, seq, ps):
@@ -751,7 +753,7 @@ def test_kt_update(hkv, d, bs, ps, dtype, fused, layout, kt_dtype):
         if not fused:
             paged.write_kv(c.k, c.v, key[b : b + 1], value[b : b + 1], flat)
         lo = seq - seq % ps
-        paged.write_kt_pages(ref.k, ref.kt, rows[b], lo, seq + 1, ps)
+        torch_ops.write_kt_pages(ref.k, ref.kt, rows[b], lo, seq + 1, ps)
     if fused:
         write_kv_and_kt(c.k, c.v, c.kt, _table(rows), seqs, ps, key, value)
     else:
@@ -829,12 +831,10 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(
         + 3
     )
     max_select = max(max(k // ps, 1) for k in topk)
-    out = triton_ops.hsa_decode_batch(
+    out = triton_ops.hsa_decode(
         q, c.k, c.v, c.kt, *args, max_pages, max_select, force, select_impl=impl
     )
-    ref = triton_ops.hsa_decode_batch_reference(
-        q, clean.k, clean.v, clean.kt, *args, force_current_page=force
-    )
+    ref = paged.hsa_decode_rows(q, clean.k, clean.v, clean.kt, *args, force_current_page=force)
     assert bool(out.isfinite().all())
     c.check_guard()
     assert bool((out[2] == 0).all())
@@ -883,7 +883,7 @@ def test_hsa_decode_batch_at_cuda_graph_shapes(
         ps,
         d**-0.5,
     )
-    ref = triton_ops.hsa_decode_batch_reference(q, c.k, c.v, c.kt, *args, force_current_page=force)
+    ref = paged.hsa_decode_rows(q, c.k, c.v, c.kt, *args, force_current_page=force)
     graph_pages = 40 * 64 // ps  # the backend's max_model_len / page_size + 2
     out = torch.full_like(q, 7.0)
     # sms 64: many splits (scoring and attention), most with nothing to do
@@ -891,7 +891,7 @@ def test_hsa_decode_batch_at_cuda_graph_shapes(
         mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
         mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
     ):
-        triton_ops.hsa_decode_batch(
+        triton_ops.hsa_decode(
             q, c.k, c.v, c.kt, *args, graph_pages, graph_pages, force, out=out, update_kt=False
         )
     for b, seq in enumerate(seqs):
@@ -921,16 +921,16 @@ def test_hsa_decode_batch_cuda_graph():
         40,
         8,
     )
-    eager = triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args)
+    eager = triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args)
     out = torch.empty_like(eager)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles) outside capture
-        triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, out=out)
+        triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_ops.hsa_decode_batch(q, c.k, c.v, c.kt, *args, out=out)
+        triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, out=out)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
@@ -957,7 +957,7 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
     graph_pages, graph_select = 32768 // ps + 1, 64  # max_model_len 32k
 
     def call(out):
-        return triton_ops.hsa_decode_batch(
+        return triton_ops.hsa_decode(
             q,
             c.k,
             c.v,
@@ -997,7 +997,7 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
         for name, v in values.items():
             cols[name].copy_(_ints(v))
         clean = c.clone()
-        ref = triton_ops.hsa_decode_batch_reference(
+        ref = paged.hsa_decode_rows(
             q,
             clean.k,
             clean.v,

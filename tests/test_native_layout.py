@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from rocketkv_vllm import paged
+from rocketkv_vllm.layout import kt_cache_view, split_kv  # noqa: E402
+from rocketkv_vllm.ops import pytorch as torch_ops
 
 ops = pytest.importorskip("vllm._custom_ops")
 from rocketkv_vllm.backend.native import cpu_kv_layout  # noqa: E402
@@ -48,7 +50,7 @@ def test_native_kernel_reads_what_our_views_hold(dtype, isa, bs, expected):
     block_elems = hkv * bs * 2 * d + 1000
     storage = torch.zeros(num_blocks * block_elems, dtype=dtype)
     kv = storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1))
-    k_cache, v_cache = paged.split_kv(kv, layout)
+    k_cache, v_cache = split_kv(kv, layout)
     gen = torch.Generator().manual_seed(1)
     row = torch.randperm(num_blocks, generator=gen)[: -(-n // bs)]
     # We write the cache (as compaction does); the native kernel reads it.
@@ -101,7 +103,6 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
     """Stage 1 and batched Stage 2 only address the cache per token, so on
     AMX-packed views (``packed_kv``) they give exactly what they give on the
     plain token layout holding the same values."""
-    from rocketkv_vllm import batched
 
     hkv, g, d, bs, ps, num_blocks, n = 3, 3, 64, 32, 4, 40, 1000
     gen = torch.Generator().manual_seed(3)
@@ -117,16 +118,16 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
     for layout in ("token", "cpu_amx"):
         storage = torch.zeros(num_blocks * block_elems, dtype=torch.bfloat16)
         kv = storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1))
-        k, v = paged.split_kv(kv, layout)
-        kt = paged.kt_cache_view(kv, ps)
+        k, v = split_kv(kv, layout)
+        kt = kt_cache_view(kv, ps)
         paged.write_kv(k, v, keys, values, slots)
         tail = n // bs * bs
         paged.snapkv_compress(k, v, kt, row, q_win, n, 300, tail, 7, ps, d**-0.5)
         nc = torch.tensor([300 - (n - tail)])
         ts, seq = torch.tensor([tail]), torch.tensor([n + 1])
         max_pages = int(-(-nc // ps) + -(-(seq - ts) // ps))
-        view = batched.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
-        out = batched.hsa_decode_batch(
+        view = torch_ops.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
+        out = torch_ops.hsa_decode(
             query,
             k,
             v,
@@ -150,15 +151,15 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
 
 @pytest.mark.parametrize("layout", ["token", "head_rows", "cpu_vec", "cpu_amx"])
 def test_whole_block_reads_match_per_token_reads(layout):
-    """``paged.prompt_keys`` (Stage 1's block-by-block read) and the AMX
+    """``torch_ops.prompt_keys`` (Stage 1's block-by-block read) and the AMX
     accessor's ``read_blocks_into`` give what per-token indexing gives."""
     hkv, bs, d, n = 3, 32, 64, 150
     kv = torch.randn(9, hkv, bs, 2 * d).to(torch.bfloat16)
-    k, v = paged.split_kv(kv, layout)
+    k, v = split_kv(kv, layout)
     row = torch.tensor([7, 2, 5, 0, 8], dtype=torch.int32)
     slots = torch.arange(n)
     blocks, offsets = row[slots // bs].long(), slots % bs
-    assert torch.equal(paged.prompt_keys(k, row, n), k[blocks, :, offsets].float())
+    assert torch.equal(torch_ops.prompt_keys(k, row, n), k[blocks, :, offsets].float())
     if layout == "cpu_amx":
         for cache in (k, v):
             out = torch.empty(3, hkv, bs, d, dtype=torch.float64)

@@ -5,6 +5,7 @@ import torch
 
 from rocketkv_vllm import paged
 from rocketkv_vllm.algorithm import hsa_select_pages, snapkv_keep_positions, sparse_attention
+from rocketkv_vllm.layout import kt_cache_view, split_kv
 
 
 def _make_request(
@@ -18,8 +19,8 @@ def _make_request(
     kv_cache = torch.as_strided(
         storage, (num_blocks, hkv, bs, kv_width), (block_elems, bs * kv_width, kv_width, 1)
     )
-    kt_cache = paged.kt_cache_view(kv_cache, ps)
-    k_cache, v_cache = paged.split_kv(kv_cache, layout)
+    kt_cache = kt_cache_view(kv_cache, ps)
+    k_cache, v_cache = split_kv(kv_cache, layout)
     blocks_needed = -(-n_tokens // bs) + 4
     block_row = torch.randperm(num_blocks - 1, generator=g)[:blocks_needed] + 1
     keys = torch.randn(n_tokens, hkv, d, generator=g).to(dtype)

@@ -115,11 +115,11 @@ def _kv_caches(llm):
 
 
 def _block_kv(llm, block_id: int) -> list[torch.Tensor]:
-    from rocketkv_vllm import paged
+    from rocketkv_vllm.layout import split_kv
 
     out = []
     for layer in LAYERS:
-        k, v = paged.split_kv(_kv_caches(llm)[layer], "cpu_vec")
+        k, v = split_kv(_kv_caches(llm)[layer], "cpu_vec")
         out.append(torch.stack([k[block_id], v[block_id]]).clone())
     return out
 

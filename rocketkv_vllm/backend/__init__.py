@@ -84,7 +84,7 @@ class RocketKVBackend(AttentionBackend):
         engine's config current."""
         from vllm.config import get_current_vllm_config_or_none
 
-        from rocketkv_vllm.engine import settings_for
+        from rocketkv_vllm.config import settings_for
         from rocketkv_vllm.kv_cache import RocketKVAttentionSpec, make_rocketkv_spec
 
         if isinstance(spec, RocketKVAttentionSpec):

@@ -31,7 +31,40 @@ import numpy as np
 import torch
 
 from rocketkv_vllm.config import RocketKVSettings, TestAids
-from rocketkv_vllm.plan import DecodeGraphShape, budget_pages_selected, shape_for
+from rocketkv_vllm.plan import max_view_pages, pages_selected
+
+
+def max_topk(settings: RocketKVSettings) -> int:
+    """The largest per-step token selection any request of the engine uses
+    (a per-request budget may select more: ``budget_pages_selected``)."""
+    if settings.token_budget is None:
+        return settings.topk
+    return budget_pages_selected(settings.token_budget, settings.page_size) * settings.page_size
+
+
+def budget_pages_selected(token_budget: int, page_size: int) -> int:
+    """Pages selected per step by a request planned with this token budget
+    (its top-k is half the budget, in whole pages: ``plan_request``)."""
+    return pages_selected(token_budget // 2, page_size)
+
+
+@dataclass(frozen=True)
+class DecodeGraphShape:
+    rows: int  # the largest decode batch a FULL graph is captured for
+    max_pages: int  # >= any request's view pages
+    max_select: int  # >= the pages of the engine's largest selection
+
+    def takes(self, num_select: int) -> bool:
+        return num_select <= self.max_select
+
+
+def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> DecodeGraphShape:
+    """Stage 2's launch shape for FULL CUDA graphs (``backend.graphs``): the
+    most view pages any request can have, the engine's largest selection."""
+    max_pages = max_view_pages(max_model_len, settings.page_size)
+    return DecodeGraphShape(
+        rows, max_pages, min(pages_selected(max_topk(settings), settings.page_size), max_pages)
+    )
 
 
 class GraphBuffers:

@@ -14,12 +14,11 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import native_for_config
-from rocketkv_vllm.backend.stages import HsaRows, stage1_ops, stage2_for
-from rocketkv_vllm.config import pow2_at_least
-from rocketkv_vllm.engine import settings_for, test_aids_for
+from rocketkv_vllm.backend.stages import HsaRows, stage1_for, stage2_for
+from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
+from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.plan import max_view_pages
 from rocketkv_vllm.state import worker_state
 
@@ -126,7 +125,7 @@ class RocketKVImpl(AttentionImpl):
             kv_sharing_target_layer_name,
         )
         self.stage2 = stage2_for(self.settings, self.kv_layout)
-        self.stage1 = stage1_ops(self.settings)
+        self.stage1 = stage1_for(self.settings)
         self.window_queries = WindowQueries(
             self.settings.window_size, vllm_config.scheduler_config.max_num_seqs
         )
@@ -178,10 +177,10 @@ class RocketKVImpl(AttentionImpl):
 
     def _stage1(self, r: PromptChunkRow, query, kv_cache) -> None:
         s, plan = self.settings, r.plan
-        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
-        kt_cache = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
+        kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         with self.counters.stage1_timer(query.device):
-            kept = paged.snapkv_compress(
+            kept = self.stage1.compress(
                 k_cache,
                 v_cache,
                 kt_cache,
@@ -193,7 +192,6 @@ class RocketKVImpl(AttentionImpl):
                 s.kernel_size,
                 s.page_size,
                 self.scale,
-                ops=self.stage1,
             )
         if self.kept_log is not None:
             self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
@@ -220,5 +218,5 @@ class RocketKVImpl(AttentionImpl):
         blocks = block_row[start:end].long()
         if not self.prefix_caching:
             kv_cache[blocks] = 3.0e4
-        kt = paged.kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        kt = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         kt[blocks] = 0xFF if kt.dtype == torch.uint8 else float("nan")  # NaN either way

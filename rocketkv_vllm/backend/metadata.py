@@ -35,8 +35,7 @@ from vllm.v1.attention.backend import (
 from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.backend.native import native_for_config
 from rocketkv_vllm.backend.stages import HsaRows, stage2_for, uses_triton
-from rocketkv_vllm.config import pow2_at_least
-from rocketkv_vllm.engine import settings_for, test_aids_for
+from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
 from rocketkv_vllm.state import PromptLengths, worker_state
 

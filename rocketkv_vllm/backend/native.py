@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from vllm.logger import init_logger
 
-from rocketkv_vllm import paged
+from rocketkv_vllm.layout import split_kv
 
 # Under the "vllm" logger so records show with vLLM's own formatting.
 logger = init_logger(f"vllm.{__name__}")
@@ -23,7 +23,7 @@ logger = init_logger(f"vllm.{__name__}")
 @dataclass(frozen=True)
 class NativeChoice:
     backend: type  # a vLLM AttentionBackend
-    kv_layout: str  # where K and V sit in a block (paged.split_kv)
+    kv_layout: str  # where K and V sit in a block (split_kv)
 
 
 def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> str:
@@ -53,7 +53,7 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int)
             v_scale=1.0,
             kv_cache_dtype="auto",
         )
-        k_cache, v_cache = paged.split_kv(kv_cache, layout)
+        k_cache, v_cache = split_kv(kv_cache, layout)
         blk, off = slots // block_size, slots % block_size
         if torch.equal(k_cache[blk, :, off], key) and torch.equal(v_cache[blk, :, off], value):
             return layout

@@ -1,11 +1,12 @@
-"""The implementations of Stage 1 and Stage 2, behind one interface each.
+"""Stage 1 and Stage 2, each behind one interface, chosen once per engine.
 
-Stage 2 (HSA decode over a batch of rows) has three implementations: the
-Triton kernels (NVIDIA; ``triton_ops``), the C++ kernel on CPU
-(``cpu_ops``) and batched PyTorch (``batched``, the CPU fallback and
-reference). Each is a ``Stage2`` with the same two calls; ``stage2_for``
-chooses one per engine, once. Stage 1 (SnapKV compaction of one prompt) is
-one function, ``paged.snapkv_compress``, with Triton or PyTorch steps.
+Stage 1 (SnapKV compaction of one prompt at the end of its prefill) has two
+implementations: the Triton kernels (``ops.triton``, NVIDIA) and PyTorch
+(``ops.pytorch``); ``stage1_for`` picks one. Stage 2 (HSA decode over a
+batch of rows) has three: the Triton kernels, the C++ kernel on CPU
+(``ops.cpu``) and batched PyTorch (``ops.pytorch``, the CPU fallback);
+``stage2_for`` picks one. The impl calls both the same way:
+``stage1.compress(...)`` per prompt, ``stage2.decode(...)`` per step.
 """
 
 from __future__ import annotations
@@ -17,10 +18,91 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from rocketkv_vllm import batched, paged
+from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
 from rocketkv_vllm.config import RocketKVSettings
+from rocketkv_vllm.layout import kt_cache_view, split_kv
+from rocketkv_vllm.ops import pytorch as torch_ops
 
 logger = init_logger(f"vllm.{__name__}")
+
+
+class Stage1:
+    """SnapKV compaction of one prompt on the paged cache: window scores,
+    kept positions, the per-head compaction, the KT pages of the view. The
+    steps come from ``ops`` (a module of ``rocketkv_vllm.ops``); the choice
+    of kept positions is the algorithm's own (``algorithm.snapkv``)."""
+
+    name = ""
+
+    @property
+    def ops(self):
+        raise NotImplementedError
+
+    def compress(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kt_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        q_window: torch.Tensor,
+        num_prompt_tokens: int,
+        prompt_budget: int,
+        tail_start: int,
+        kernel_size: int,
+        page_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Choose, compact, build KT for one request (its oracle:
+        ``paged.snapkv_compress``, same arguments). Returns the kept
+        positions [Hkv, prompt_budget]; with prompt_budget >= the prompt
+        every position is kept and only the KT pages are written. Ties among
+        pooled scores may be broken differently by the Triton kernels than by
+        torch's CPU topk, so kept sets can differ on plateaus."""
+        ops = self.ops
+        n = int(num_prompt_tokens)
+        if prompt_budget >= n:  # rocketkv.evict=false: identity, KT pages only
+            ops.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
+            return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
+        scores = ops.window_scores(q_window, k_cache, block_row, n, scale)
+        kept = keep_positions_from_scores(
+            scores,
+            n,
+            prompt_budget,
+            kernel_size,
+            protect_from=min(n - q_window.shape[0], tail_start),
+        )
+        num_compact = prompt_budget - (n - tail_start)
+        ops.compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
+        ops.write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
+        ops.write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
+        return kept
+
+
+class TritonStage1(Stage1):
+    name = "Triton kernels"
+
+    @property
+    def ops(self):
+        from rocketkv_vllm.ops import triton as triton_ops
+
+        return triton_ops
+
+
+class TorchStage1(Stage1):
+    name = "PyTorch path"
+
+    @property
+    def ops(self):
+        return torch_ops
+
+
+@functools.cache
+def stage1_for(settings: RocketKVSettings) -> Stage1:
+    """The engine's Stage 1: the Triton kernels with Triton's Stage 2, else
+    PyTorch."""
+    impl: Stage1 = TritonStage1() if uses_triton(settings) else TorchStage1()
+    logger.info_once("ROCKETKV: Stage 1 runs in the %s.", impl.name)
+    return impl
 
 
 @dataclass
@@ -83,7 +165,7 @@ class Stage2:
         raise NotImplementedError
 
     def _kt(self, kv_cache):
-        return paged.kt_cache_view(kv_cache, self.settings.page_size, self.settings.kt_dtype)
+        return kt_cache_view(kv_cache, self.settings.page_size, self.settings.kt_dtype)
 
 
 # Scratch (page logits and probabilities, fp32) an eager Stage 2 call may
@@ -122,11 +204,11 @@ class TritonStage2(Stage2):
         return torch.cat(parts)
 
     def _decode(self, query, kv_cache, rows, scale, out):
-        from rocketkv_vllm import triton_ops
+        from rocketkv_vllm.ops import triton as triton_ops
 
         s = self.settings
-        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
-        return triton_ops.hsa_decode_batch(
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
+        return triton_ops.hsa_decode(
             query,
             k_cache,
             v_cache,
@@ -181,11 +263,11 @@ class CpuStage2(Stage2):
     name = "native CPU kernel"
 
     def decode(self, query, kv_cache, rows, scale, out=None):
-        from rocketkv_vllm import cpu_ops
+        from rocketkv_vllm.ops import cpu as cpu_ops
 
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
-        return cpu_ops.hsa_decode_batch(
+        return cpu_ops.hsa_decode(
             query,
             kv_cache,
             self._kt(kv_cache),
@@ -207,7 +289,7 @@ class TorchStage2(Stage2):
 
     def prepare(self, rows):
         s = self.settings
-        rows.prepared = batched.view_pages(
+        rows.prepared = torch_ops.view_pages(
             rows.block_table,
             rows.num_compact,
             rows.tail_start,
@@ -220,8 +302,8 @@ class TorchStage2(Stage2):
     def decode(self, query, kv_cache, rows, scale, out=None):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
-        k_cache, v_cache = paged.split_kv(kv_cache, self.kv_layout)
-        return batched.hsa_decode_batch(
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
+        return torch_ops.hsa_decode(
             query,
             k_cache,
             v_cache,
@@ -251,7 +333,7 @@ def uses_triton(settings: RocketKVSettings) -> bool:
 def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
     """The engine's Stage 2: Triton where it runs, on CPU the C++ kernel for
     CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch."""
-    from rocketkv_vllm import cpu_ops
+    from rocketkv_vllm.ops import cpu as cpu_ops
 
     if uses_triton(settings):
         if kv_layout == "cpu_amx":
@@ -276,12 +358,3 @@ def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
         impl = TorchStage2(settings, kv_layout)
     logger.info_once("ROCKETKV: Stage 2 runs in the %s.", impl.name)
     return impl
-
-
-def stage1_ops(settings: RocketKVSettings) -> paged.Stage1Ops:
-    """Stage 1's steps: the Triton kernels with Triton's Stage 2, else PyTorch."""
-    if uses_triton(settings):
-        from rocketkv_vllm import triton_ops
-
-        return triton_ops.STAGE1_OPS
-    return paged.STAGE1_OPS

@@ -1,12 +1,17 @@
-"""Stage 2 (HSA) for a whole batch of decode tokens in PyTorch.
+"""RocketKV's steps in PyTorch on the paged cache: Stage 1's three steps
+for one prompt and Stage 2 for a whole batch of decode tokens.
 
-The same math as ``paged.hsa_decode`` (its oracle), for every compressed
-decode row of a step at once: no per-request Python loop, no host sync, a
-fixed number of tensor ops per layer. This is the fast path where Triton has
-no backend (vLLM's CPU build); the NVIDIA path runs the Triton kernels.
-
-A row's view pages (compact pages first, then tail pages, see ``paged``) are
+Stage 2 (``hsa_decode``) is the same math as ``paged.hsa_decode`` (its
+oracle), for every compressed decode row of a step at once: no per-request
+Python loop, no host sync, a fixed number of tensor ops per layer. This is
+the path where Triton has no backend and the C++ kernel is not built (vLLM's
+CPU build); the NVIDIA path runs the Triton kernels (``ops.triton``). A
+row's view pages (compact pages first, then tail pages, see ``layout``) are
 listed once per step by ``view_pages`` and shared by all layers.
+
+Stage 1's steps (``window_scores``, ``compact_kept_tokens``,
+``write_kt_pages``) have the same signatures as ``ops.triton``'s; the flow
+that calls them is ``backend.stages.Stage1``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,88 @@ from dataclasses import dataclass
 
 import torch
 
-from rocketkv_vllm import paged
+from rocketkv_vllm.algorithm import window_attention_scores
+from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots
+
+# ---- Stage 1 steps (one prompt)
+
+
+def prompt_keys(k_cache, block_row: torch.Tensor, n: int) -> torch.Tensor:
+    """Keys [n, Hkv, d] (fp32) of logical slots [0, n), read block by block
+    (one copy, not per-token indexing: the AMX layout's tiles) into memory
+    laid out [Hkv, d, n], the operand of the window scores' matmul."""
+    _, num_heads, block_size, d = k_cache.shape
+    blocks = block_row[: -(-n // block_size)].long()
+    out = torch.empty(
+        num_heads, d, len(blocks) * block_size, dtype=torch.float32, device=block_row.device
+    )
+    whole = out.view(num_heads, d, len(blocks), block_size).permute(2, 0, 3, 1)
+    if hasattr(k_cache, "read_blocks_into"):
+        k_cache.read_blocks_into(blocks, whole)
+    else:
+        whole.copy_(k_cache[blocks])
+    return out[:, :, :n].permute(2, 0, 1)
+
+
+def window_scores(q_window, k_cache, block_row, n: int, scale: float) -> torch.Tensor:
+    """``algorithm.window_attention_scores`` of the request's prompt keys."""
+    return window_attention_scores(q_window, prompt_keys(k_cache, block_row, n), scale)
+
+
+def compact_kept_tokens(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    kept: torch.Tensor,
+) -> None:
+    """Move head h's token at logical slot kept[h, j] to slot j, per head.
+
+    kept: [Hkv, C] sorted ascending, so kept[h, j] >= j: gathering everything
+    before writing makes the overlapping move safe.
+    """
+    num_heads, count = kept.shape
+    if count == 0:
+        return
+    block_size = k_cache.shape[2]
+    heads = torch.arange(num_heads, device=kept.device)[:, None].expand(-1, count)
+    src_blocks, src_offsets = physical_slots(block_row, kept, block_size)
+    dst = torch.arange(count, device=kept.device)[None, :].expand(num_heads, -1)
+    dst_blocks, dst_offsets = physical_slots(block_row, dst, block_size)
+    for cache in (k_cache, v_cache):
+        moved = cache[src_blocks, heads, src_offsets].clone()
+        cache[dst_blocks, heads, dst_offsets] = moved
+
+
+def write_kt_pages(
+    k_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    lo: int,
+    hi: int,
+    page_size: int,
+) -> None:
+    """Recompute the KT pages covering logical slots [lo, hi) (lo page aligned)
+    from the keys in [lo, hi) only."""
+    if hi <= lo:
+        return
+    assert lo % page_size == 0
+    d = k_cache.shape[-1]
+    block_size = k_cache.shape[2]
+    num_pages = -(-(hi - lo) // page_size)
+    slots = torch.arange(lo, lo + num_pages * page_size, device=k_cache.device)
+    blocks, offsets = physical_slots(block_row, slots.clamp_max(hi - 1), block_size)
+    keys = k_cache[blocks, :, offsets]
+    keys = keys.float().view(num_pages, page_size, -1, d)  # [P, ps, Hkv, d]
+    valid = (slots < hi).view(num_pages, page_size, 1, 1)
+    kmin = keys.masked_fill(~valid, float("inf")).amin(dim=1)
+    kmax = keys.masked_fill(~valid, float("-inf")).amax(dim=1)
+    starts = slots[::page_size]
+    blocks, offsets = physical_slots(block_row, starts, block_size)
+    pages = offsets // page_size
+    kt_cache[blocks, :, pages] = kt_rows_of(kt_cache, kmin, kmax)
+
+
+# ---- Stage 2 (a batch of decode rows)
 
 
 @dataclass
@@ -76,11 +162,11 @@ def update_kt(
     offset = pos % block_size
     page = offset // page_size
     key = k_cache[block, :, offset].float()  # [B, Hkv, d]
-    old_min, old_max = paged.kt_bounds(kt_cache[block, :, page], d)
+    old_min, old_max = kt_bounds(kt_cache[block, :, page], d)
     fresh = (pos % page_size == 0)[:, None, None]
     kmin = torch.where(fresh, key, torch.minimum(old_min.float(), key))
     kmax = torch.where(fresh, key, torch.maximum(old_max.float(), key))
-    kt_cache[block, :, page] = paged.kt_rows_of(kt_cache, kmin, kmax)
+    kt_cache[block, :, page] = kt_rows_of(kt_cache, kmin, kmax)
 
 
 def select_pages(
@@ -116,7 +202,7 @@ def select_pages(
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
     kt = kt_cache[pages.block[:, None, :], heads, pages.page[:, None, :]]
     if kt.dtype == torch.uint8:  # fp8 rows: decoded [min | max]
-        kt = torch.cat(paged.kt_bounds(kt, d), dim=-1)
+        kt = torch.cat(kt_bounds(kt, d), dim=-1)
     kt = kt.float()  # [B, Hkv, P, 2d]
     scores = torch.matmul(q_bound, kt.transpose(-1, -2))  # [B, Hkv, G, P]
     tau = torch.sqrt(d * q_r.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30))
@@ -177,7 +263,7 @@ def sparse_attention(
     return out.reshape(batch, num_q_heads, d)
 
 
-def hsa_decode_batch(
+def hsa_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

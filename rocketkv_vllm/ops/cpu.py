@@ -3,8 +3,8 @@
 Built on first use with PyTorch's C++ extension loader (g++; cached per
 machine under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) and loaded in every process that needs it.
-Same math as ``batched.hsa_decode_batch``, its test oracle; it reads the KV
-cache in CPU_ATTN's own layouts (``paged.split_kv``: head_rows, cpu_vec,
+Same math as ``ops.pytorch.hsa_decode``, its test oracle; it reads the KV
+cache in CPU_ATTN's own layouts (``layout.split_kv``: head_rows, cpu_vec,
 cpu_amx) through the raw per-layer cache tensor.
 """
 
@@ -43,7 +43,7 @@ def build_error() -> str | None:
     return None
 
 
-def hsa_decode_batch(
+def hsa_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     kt_cache: torch.Tensor,
@@ -59,7 +59,7 @@ def hsa_decode_batch(
     force_current_page: bool,
 ) -> torch.Tensor:
     """query [B, Hq, d]; kv_cache the layer's [num_blocks, Hkv, bs, 2d] cache;
-    kt_cache ``paged.kt_cache_view``; [B] integer columns as in ``HsaRows``.
+    kt_cache ``layout.kt_cache_view``; [B] integer columns as in ``HsaRows``.
     Updates the KT pages of each row's newest token; returns [B, Hq, d]."""
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")

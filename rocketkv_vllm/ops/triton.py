@@ -1,14 +1,19 @@
-"""RocketKV on the paged cache with the Triton kernels (``rocketkv_vllm.kernels``).
+"""RocketKV's steps with the Triton kernels (``rocketkv_vllm.kernels``).
 
-Same layout and semantics as ``rocketkv_vllm.paged`` (the oracle), but
-batched for decode and free of host synchronisation there. The KV cache is
-passed as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (all
-four strides arbitrary, so K may be stored transposed per head block as in
-CPU_ATTN; ``paged.split_kv`` makes them from a vLLM cache), the KT cache as
-``kt_cache`` (``paged.kt_cache_view``):
+Same layout and semantics as the PyTorch steps (``ops.pytorch``; oracle
+``paged``), free of host synchronisation in decode. The KV cache is passed
+as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (all four
+strides arbitrary, so K may be stored transposed per head block as in
+CPU_ATTN; ``layout.split_kv`` makes them from a vLLM cache), the KT cache as
+``kt_cache`` (``layout.kt_cache_view``):
 
-* ``hsa_decode_batch`` -- one decode token per row, all rows at once. Launch
-  sequence (everything on the current stream, grids from Python ints only):
+* Stage 1's steps for one prompt (called by ``backend.stages.Stage1``, the
+  same signatures as ``ops.pytorch``'s): ``window_scores`` (2 Triton passes
+  + a few torch ops merging partial softmax statistics),
+  ``compact_kept_tokens`` (1 launch), ``write_kt_pages`` (1 launch per
+  region). They happen not to synchronise with the host either.
+* ``hsa_decode`` -- Stage 2, one decode token per row, all rows at once.
+  Launch sequence (everything on the current stream, grids from Python ints):
     1. ``kt_update``            Triton, grid (B, Hkv)        [skipped if update_kt=False]
     2. ``_page_logits_kernel``  Triton, grid (B*Hkv, S1)     (+ 3 torch.empty scratch allocs)
     3. ``_page_probs_kernel``   Triton, grid (B*Hkv, S1)
@@ -20,59 +25,25 @@ CPU_ATTN; ``paged.split_kv`` makes them from a vLLM cache), the KT cache as
   S1, S2: split counts from B, Hkv, max_pages / max_select and the SM count.
   No .item(), no data-dependent shapes: CUDA-graph capturable for fixed
   (B, max_pages, max_select).
-* ``snapkv_compress`` -- Stage 1 for one request (``paged.snapkv_compress``
-  with ``STAGE1_OPS``): ``window_scores`` (2 Triton passes + a few torch ops
-  merging partial softmax statistics), torch max-pool / topk / sort / cat,
-  ``compact_kept_tokens`` (1 Triton launch), ``write_kt_pages`` for
-  [0, num_compact) and [tail_start, N) (2 launches).
-  It happens not to synchronise with the host either (a sync would be
-  allowed: it runs once per request, at the end of its prefill).
-* ``hsa_decode_batch_reference`` -- the batched oracle: ``paged.hsa_decode``
-  row by row.
 
 No vLLM import here: this module, ``kernels`` and their tests run with only
-torch + triton (+ pyyaml for ``config``).
+torch + triton.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
-from rocketkv_vllm.kernels.dense_decode import dense_decode
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages
-from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt
+from rocketkv_vllm.kernels.kt_update import kt_update
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode
 from rocketkv_vllm.kernels.window_scores import window_scores
 
-__all__ = [
-    "compact_kept_tokens",
-    "dense_decode",
-    "hsa_decode_batch",
-    "hsa_decode_batch_reference",
-    "hsa_page_probs",
-    "kt_update",
-    "select_pages",
-    "snapkv_compress",
-    "sparse_decode",
-    "window_scores",
-    "write_kt_pages",
-    "write_kv_and_kt",
-]
+__all__ = ["compact_kept_tokens", "hsa_decode", "window_scores", "write_kt_pages"]
 
 
-STAGE1_OPS = paged.Stage1Ops(window_scores, compact_kept_tokens, write_kt_pages)
-
-
-def snapkv_compress(*args, **kwargs) -> torch.Tensor:
-    """``paged.snapkv_compress`` with the Triton kernels (same arguments and
-    result; ties among pooled scores may be broken differently than torch's
-    CPU topk, so the kept set can differ on plateaus of equal scores)."""
-    return paged.snapkv_compress(*args, **kwargs, ops=STAGE1_OPS)
-
-
-def hsa_decode_batch(
+def hsa_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -151,45 +122,3 @@ def hsa_decode_batch(
         out=out,
         extra_pages=1 if force_current_page else 0,
     )
-
-
-def hsa_decode_batch_reference(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kt_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_compact: torch.Tensor,
-    tail_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: torch.Tensor,
-    topr: torch.Tensor,
-    page_size: int,
-    scale: float,
-    max_pages: int | None = None,
-    max_select: int | None = None,
-    force_current_page: bool = False,
-) -> torch.Tensor:
-    """``paged.hsa_decode`` row by row (host syncs; the oracle).
-    max_pages / max_select are accepted for signature parity and ignored."""
-    out = torch.zeros_like(query)
-    for b in range(query.shape[0]):
-        seq = int(seq_lens[b])
-        if seq <= 0:
-            continue
-        out[b] = paged.hsa_decode(
-            query[b],
-            k_cache,
-            v_cache,
-            kt_cache,
-            block_table[b],
-            int(num_compact[b]),
-            int(tail_start[b]),
-            seq,
-            int(topk[b]),
-            int(topr[b]),
-            page_size,
-            scale,
-            force_current_page,
-        )
-    return out
