@@ -149,7 +149,7 @@ class RocketKVConfig:
     kernel: str = knob(
         "auto",
         "`auto`: Triton on NVIDIA, the C++ Stage 2 kernel on CPU; `torch`: "
-        "batched PyTorch (the reference); `triton`: the Triton kernels (NVIDIA, or "
+        "batched PyTorch; `triton`: the Triton kernels (NVIDIA, or "
         "`TRITON_INTERPRET=1`)",
         kind=KERNEL_CHOICES,
     )

@@ -18,7 +18,7 @@ context + generated). Methods:
   (``unified_attention`` with the builder's 3D-split threshold and softmax
   segment buffers);
 * ``dense_own``         -- our ``kernels.dense_decode`` (split-K flash decoding);
-* ``rocketkv``          -- ``triton_ops.hsa_decode``: the whole Stage-2
+* ``rocketkv``          -- ``ops.triton.hsa_decode``: the whole Stage-2
   chain (KT update, page scoring, top-n page selection, sparse attention),
   once per config (``--configs``; default ``token_budget=2048``, the
   ``trtllm`` preset, and that preset with fp8 KT pages), each resolved as the backend does

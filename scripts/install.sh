@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 if [ "$gpu" = 0 ]; then
   "$VENV/bin/python" - <<'PY'
-from rocketkv_vllm import cpu_ops
+from rocketkv_vllm.ops import cpu as cpu_ops
 
 error = cpu_ops.build_error()
 print("C++ CPU kernel:", "ready" if error is None else f"not built ({error})")

@@ -1,4 +1,4 @@
-"""Batched PyTorch Stage 2 (``batched``) against the per-request oracle
+"""Batched PyTorch Stage 2 (``ops.pytorch``) against the per-request oracle
 (``paged.hsa_decode``), on both KV layouts vLLM's backends use."""
 
 import pytest
