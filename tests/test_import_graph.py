@@ -1,0 +1,70 @@
+"""The package's import graph has no circle: every import in every module,
+those inside functions included, points one way."""
+
+import ast
+import os
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rocketkv_vllm"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [
+        Path(d) / f
+        for d, _, names in os.walk(PACKAGE, followlinks=True)  # kernels/ is a symlink
+        for f in names
+        if f.endswith(".py")
+    ]
+    files = {module_name(p): p for p in paths}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from pkg import mod`` names a module when mod is one
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    targets.add(full if full in files else node.module)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_find_cycle_sees_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert "rocketkv_vllm.config" in graph["rocketkv_vllm.plan"]  # the graph is read
+    assert "rocketkv_vllm.kernels.compact" in graph["rocketkv_vllm.ops.triton"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
