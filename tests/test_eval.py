@@ -1,7 +1,6 @@
 """Accuracy evaluation: task generation, scoring, and one smoke run through vLLM."""
 
-import importlib.util
-import os
+import importlib
 import re
 
 import pytest
@@ -10,16 +9,12 @@ from conftest import make_llm, shutdown
 from rocketkv_eval import tasks as eval_tasks
 from rocketkv_eval.tasks import NIAH_INTRO, TASKS, make_sample, make_samples, score
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "eval_accuracy", os.path.join(ROOT, "scripts", "eval_accuracy.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """``rocketkv_eval.accuracy`` (scripts/eval_accuracy.py), imported when a test
+    needs it: on import it sets VLLM_ENABLE_V1_MULTIPROCESSING=0 and the offline
+    variables."""
+    return importlib.import_module("rocketkv_eval.accuracy")
 
 
 # ------------------------------------------------------------- generation
