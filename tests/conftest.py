@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded SmolLM2 model and vLLM engines on CPU."""
 
+import contextlib
 import gc
 import os
 
@@ -32,10 +33,37 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
 def make_llm(
-    model_path: str, backend: str, rocketkv: dict | None = None, testing: dict | None = None, **kw
+    model_path: str,
+    backend: str,
+    rocketkv: dict | None = None,
+    testing: dict | None = None,
+    spawn: bool = False,
+    **kw,
 ):
-    """A real engine; ``testing``: ROCKETKV's test aids (config.TestAids)."""
+    """A real engine; ``testing``: ROCKETKV's test aids (config.TestAids).
+
+    In this process by default: engine core and worker
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, under which vLLM's CPU platform
+    keeps the one worker in process), the same engine, without two spawned
+    processes that each import vLLM (on a 2-core CI machine ~40 s a start
+    against ~5 s).
+    ``spawn=True``: vLLM's default processes (engine core and worker
+    spawned), as the servers in test_serve / test_metrics also run."""
     from vllm import LLM
 
     args = dict(ENGINE_KW)
@@ -47,7 +75,8 @@ def make_llm(
         extra["rocketkv_testing"] = testing
     if extra:
         args["additional_config"] = extra
-    return LLM(model=model_path, attention_backend=backend, **args)
+    with _env("VLLM_ENABLE_V1_MULTIPROCESSING", None if spawn else "0"):
+        return LLM(model=model_path, attention_backend=backend, **args)
 
 
 def shutdown(llm) -> None:

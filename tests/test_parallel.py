@@ -41,6 +41,7 @@ def test_tensor_parallel_3_matches_one_process(model_path, tokenizer, monkeypatc
             max_model_len=1100,
             dtype="bfloat16",
             kv_cache_memory_bytes=1 << 29,
+            spawn=tp > 1,  # vLLM's own worker processes, one per rank
         )
         try:
             outputs[tp] = greedy(llm, prompts, max_tokens=16)
