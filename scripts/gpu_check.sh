@@ -1,47 +1,106 @@
 #!/usr/bin/env bash
-# The GPU check (H200 device machine: python3 with torch 2.11+cu130 and Triton 3.6, no vLLM, no
-# internet, nothing of ours installed). Prepare it HERE with scripts/gpu_bundle.sh, then:
+# The GPU check, run ON the GPU host (docs/gpu-check.md says how the files get there):
 #
-#   bash scripts/gpu_check.sh --plan [--budget-left B]   the whole check, here on CPU: device
-#                                  calls, what each sends (<= 64 MiB with the tree), the time each
-#                                  step is given, all inside 12 minutes (exit 1 when it is not)
-#   bash scripts/gpu_check.sh --next K B [S]              call K's exact run() arguments, given
-#                                  B = status budget_left_s now and S = the same before call 1
-#   GPU_START_LEFT=S GPU_BUDGET_LEFT=B bash scripts/gpu_check.sh
-#                                  ON THE DEVICE, the command of every call (carry
-#                                  [".gpu-bundle/tK"]): stage tK, keep the background worker
-#                                  running the steps, copy results into $OUT; the last call waits
-#                                  for the worker (scripts/gpu_run.py has the details)
-#   bash scripts/gpu_check.sh --dry-run --carry tK        rehearse call K here on CPU (state in
-#                                  /tmp/gpu-check-dry: real staging, model rebuild, bench_kernels
-#                                  --smoke, engine configs validated, no engine started)
-# Steps, in value order (scripts/gpu_plan.py STEPS): kernels, install, model, kernels-fa,
-# e2e-flash, e2e-rocketkv, e2e-fp8, e2e-piecewise, serve, e2e-bench, tests.
-# GPU_CHECK_STEPS=a,b restricts a rerun to those steps (on a warm machine, nothing carried).
+#   . /tmp/site/.bundle/env.sh && bash scripts/gpu_check.sh     # from a checkout of this repo
+#
+# Needs: the vLLM bundle of ../shared/offline-gpu installed and its env sourced (the line above),
+# python3 with torch, Triton, transformers, pytest (the host's own). Nothing is pip-installed: the
+# checkout is put on PYTHONPATH, and the package's entry points (pyproject.toml, through which vLLM
+# finds the plugin) go into a generated rocketkv_vllm dist-info beside it.
+#
+# Steps, in this order, each under `timeout` with its own limit in seconds (0 skips the step); the
+# defaults add up to 570 s, inside one 10-minute device command:
+#   model          GPU_CHECK_MODEL_S=40          SmolLM2 rebuilt from the carried GGUF slices
+#                  ($MODEL_STAGE/smollm2.gguf.NN + smollm2-meta.tar.xz, scripts/gpu_model.py) into
+#                  $MODEL_DIR, then used as ROCKETKV_GPU_MODEL; skipped when that is already set
+#   kernels        GPU_CHECK_KERNELS_S=90        compile check + Triton kernel tests, on CUDA
+#   gpu-tests      GPU_CHECK_TESTS_S=300         tests/test_gpu.py -m gpu (engines + vllm serve)
+#   bench-kernels  GPU_CHECK_BENCH_KERNELS_S=45  scripts/bench_kernels.py, 4k/32k x batch 1/8
+#   bench-e2e      GPU_CHECK_BENCH_E2E_S=95      scripts/bench_e2e.py, 4 x 4,000 tokens + 64
+# Results, written as each step ends, in $OUT (default results/gpu): summary.txt (card, versions,
+# then one line a step: name, exit code (124 or 137: timed out), seconds), STEP.log each,
+# gpu-tests.xml (JUnit), kernels-h200.json, e2e-h200.json. Continues after a failed step; exit
+# status 1 when any step failed, 2 without CUDA (after the model step, so that it can be
+# rehearsed on CPU). Env: PY (python3), MODEL_STAGE (/tmp/stage/model), MODEL_DIR (/tmp/smollm2).
 set -u -o pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ -x "$ROOT/.venv/bin/python" ] && [ "${1:-}" != "" ] && [ "${1:-}" != "--device" ]; then
-  HERE_PY=$ROOT/.venv/bin/python
+cd "$ROOT" || exit 2
+PY=${PY:-python3}
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+MODEL_STAGE=${MODEL_STAGE:-/tmp/stage/model}
+MODEL_DIR=${MODEL_DIR:-/tmp/smollm2}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET # the real Triton backend: CUDA
+
+# -- the checkout importable (rocketkv_vllm, rocketkv_eval) and its entry points visible
+EP=$(mktemp -d /tmp/rocketkv-entry-points.XXXXXX) || exit 2
+trap 'rm -rf "$EP"' EXIT
+"$PY" - "$EP" << 'EOF' || { echo "gpu_check: cannot write the entry points"; exit 2; }
+import importlib.metadata as md, os, sys, tomllib
+proj = tomllib.load(open("pyproject.toml", "rb"))["project"]
+name, version = proj["name"], proj["version"]
+d = os.path.join(sys.argv[1], f"{name.replace('-', '_')}-{version}.dist-info")
+os.makedirs(d)
+with open(os.path.join(d, "METADATA"), "w") as f:
+    f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+with open(os.path.join(d, "entry_points.txt"), "w") as f:
+    for group, eps in proj["entry-points"].items():
+        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
+seen = {(e.group, e.name, e.value) for e in md.Distribution.at(d).entry_points}
+want = {(g, k, v) for g, eps in proj["entry-points"].items() for k, v in eps.items()}
+assert seen == want, (seen, want)
+print(f"gpu_check: entry points of {name} {version}: {sorted(seen)}")
+EOF
+export PYTHONPATH=$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}
+
+{
+  echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2> /dev/null || echo '?')"
+  echo "# card: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
+  echo "# $("$PY" -c 'import sys, torch, triton, vllm; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__)' 2>&1 | tail -1)"
+} > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+
+FAILED=0
+step() { # step NAME LIMIT_S COMMAND...: log to $OUT/NAME.log, a line to summary.txt
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  if [ "$limit" = 0 ]; then
+    printf '%-14s skipped\n' "$name" | tee -a "$OUT/summary.txt"
+    return 0
+  fi
+  echo "\$ $(printf '%q ' "$@")  (limit ${limit}s)" > "$OUT/$name.log"
+  timeout -k 15 "$limit" "$@" >> "$OUT/$name.log" 2>&1
+  rc=$?
+  printf '%-14s exit %-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
+  if [ "$rc" != 0 ]; then
+    FAILED=1
+    tail -n 30 "$OUT/$name.log" | sed "s/^/  $name| /"
+  fi
+  return "$rc"
+}
+
+if [ -n "${ROCKETKV_GPU_MODEL:-}" ]; then
+  step model 0
 else
-  HERE_PY=python3
+  step model "${GPU_CHECK_MODEL_S:-40}" bash -c 'set -e; cat "$1"/smollm2.gguf.[0-9]* > "$1/smollm2.gguf"
+    "$3" scripts/gpu_model.py rebuild "$1/smollm2.gguf" "$1/smollm2-meta.tar.xz" "$2"' \
+    _ "$MODEL_STAGE" "$MODEL_DIR" "$PY" && export ROCKETKV_GPU_MODEL=$MODEL_DIR
 fi
-case "${1:-}" in
-  --plan)
-    shift
-    exec "$HERE_PY" "$ROOT/scripts/gpu_plan.py" plan "$@" ;;
-  --next)
-    [ $# -ge 3 ] || { echo "usage: gpu_check.sh --next K BUDGET_LEFT [START_LEFT]"; exit 2; }
-    exec "$HERE_PY" "$ROOT/scripts/gpu_plan.py" next --call "$2" --budget-left "$3" \
-      ${4:+--start-left "$4"} ;;
-  --dry-run)
-    shift
-    if [ "${1:-}" = --carry ]; then export GPU_CHECK_CARRY=${2:?--carry tK}; shift 2; fi
-    export PYTHON=${PYTHON:-$HERE_PY}
-    exec "$PYTHON" "$ROOT/scripts/gpu_run.py" call --dry-run ;;
-  ""|--device)
-    export PYTHON=${PYTHON:-python3}
-    command -v "$PYTHON" > /dev/null || { echo "gpu_check: no $PYTHON"; exit 2; }
-    exec "$PYTHON" "$ROOT/scripts/gpu_run.py" call ;;
-  *)
-    sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 2 ;;
-esac
+"$PY" -c 'import torch; assert torch.cuda.is_available()' 2> /dev/null \
+  || { echo "gpu_check: torch sees no CUDA device" | tee -a "$OUT/summary.txt"; exit 2; }
+XDIST=()
+"$PY" -c 'import xdist' 2> /dev/null && XDIST=(-n 8)
+step kernels "${GPU_CHECK_KERNELS_S:-90}" "$PY" -m pytest -q -rs -p no:cacheprovider "${XDIST[@]}" \
+  tests/test_kernels.py tests/test_compile_kernels.py -m "not engine"
+step gpu-tests "${GPU_CHECK_TESTS_S:-300}" "$PY" -m pytest -v -s -rs -p no:cacheprovider -m gpu \
+  tests/test_gpu.py --junitxml="$OUT/gpu-tests.xml"
+T=${GPU_CHECK_BENCH_KERNELS_S:-45}
+step bench-kernels "$T" "$PY" scripts/bench_kernels.py --contexts 4096,32768 --batches 1,8 \
+  --iters 10 --time-budget $((T > 30 ? T - 20 : 10)) --out "$OUT/kernels-h200.json"
+step bench-e2e "${GPU_CHECK_BENCH_E2E_S:-95}" "$PY" scripts/bench_e2e.py \
+  ${ROCKETKV_GPU_MODEL:+--model "$ROCKETKV_GPU_MODEL"} --prompts 4 --prompt-tokens 4000 \
+  --new-tokens 64 --kv-cache-gib 4 --gpu-memory-utilization 0.2 --out "$OUT/e2e-h200.json"
+
+echo "gpu_check: $([ "$FAILED" = 0 ] && echo 'every step passed' || echo 'FAILED steps above'); results in $OUT"
+exit "$FAILED"
