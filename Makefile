@@ -17,4 +17,4 @@ test-fast: install
 	$(PY) -m pytest -q -ra -m "not engine" $(PYTEST_ARGS)
 
 test: lint
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
