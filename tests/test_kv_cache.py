@@ -39,28 +39,38 @@ def _random_prompts(n, lengths, seed=0):
     return [[rng.randrange(100, 40000) for _ in range(length)] for length in lengths]
 
 
+FREED_PROMPTS = _random_prompts(6, [1500, 1800, 2100, 300, 1650, 2400])
+FREED_CFG = {"prompt_budget": 256}
+
+
+@pytest.fixture(scope="module")
+def never_frees(model_path):
+    """The oracle of both cases below: an ample cache that gives nothing back
+    (prefix caching off; with it on the tokens are the same, as
+    test_prefix_caching asserts)."""
+    return _bench().run_capacity(
+        model_path,
+        "ROCKETKV",
+        FREED_PROMPTS,
+        1 << 30,
+        dict(FREED_CFG, free_evicted_blocks=False),
+        max_tokens=20,
+        max_model_len=4096,
+        dtype="float32",
+        engine_kw={"enable_prefix_caching": False},
+    )
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_caching):
+def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_caching, never_frees):
     """Freed blocks are poisoned before they go back (with prefix caching
     their KT pages only: their K/V stay valid cache entries), then reused by
     other requests under a tight cache (with preemptions); outputs must
     equal a run that never frees, and every block must come back."""
     bench = _bench()
-    prompts = _random_prompts(6, [1500, 1800, 2100, 300, 1650, 2400])
-    cfg = {"prompt_budget": 256}
+    prompts, cfg, ample = FREED_PROMPTS, FREED_CFG, never_frees
     caching = {"enable_prefix_caching": prefix_caching}
-    ample = bench.run_capacity(
-        model_path,
-        "ROCKETKV",
-        prompts,
-        1 << 30,
-        dict(cfg, free_evicted_blocks=False),
-        max_tokens=20,
-        max_model_len=4096,
-        dtype="float32",
-        engine_kw=caching,
-    )
     # Room for ~4200 tokens with KT pages (5300 without; the engine needs one
     # max_model_len request);
     # the six prompts need about 9700.
