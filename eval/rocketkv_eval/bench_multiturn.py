@@ -40,12 +40,14 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from rocketkv_eval.model import MODEL_HELP  # noqa: E402
+
 METHODS = ("dense", "rocketkv", "rocketkv-nocache")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="default: embedded SmolLM2")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--conversations", type=int, default=1)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument(
@@ -203,10 +205,10 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.model import resolve_model
     from rocketkv_eval.multiturn import make_conversation, prompt_ids
 
-    model = args.model or prepare_default_model()
+    model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     lengths = doc_lengths(args.doc_tokens, args.conversations)
     conversations = [

@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from rocketkv_eval.engines import external_id, held_blocks, in_process, scheduler
+from rocketkv_eval.model import MODEL_HELP
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -148,7 +149,7 @@ def expected_blocks(prompt_budget: int, num_prompt_tokens: int, block_size: int)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="default: embedded SmolLM2")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -172,9 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON report here")
     args = ap.parse_args(argv)
 
-    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.model import resolve_model
 
-    model = args.model or prepare_default_model()
+    model = resolve_model(args.model)
     import random
 
     rng = random.Random(0)

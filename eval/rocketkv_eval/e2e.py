@@ -23,7 +23,8 @@ A method is `dense` or a comma-free ROCKETKV setting list joined by `+`
 (`token_budget=256`, `preset=trtllm`, `prompt_budget=1024+topk=128`).
 Each ROCKETKV row is compared with the dense run before it, so a repeated
 `dense,token_budget=256,dense,token_budget=256` shows the run-to-run spread.
-Runs unchanged on a GPU machine; `--json` writes results/e2e-<platform>.json.
+Runs unchanged on a GPU machine; `--json` writes results/e2e-<platform>.json
+(`e2e-<platform>-<name>.json` for `--model gemma3-270m`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rocketkv_eval.engines import external_id, held_blocks, in_process
+from rocketkv_eval.model import MODEL_HELP, model_tag
 
 
 def parse_method(text: str) -> tuple[str, dict | None]:
@@ -209,7 +211,9 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
         "dtype": args.dtype,
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }
-    path = args.out or os.path.join("results", f"e2e-{platform_name()}.json")
+    tag = model_tag(args.model)  # a second prepared model writes its own file
+    name = f"e2e-{platform_name()}-{tag}" if tag else f"e2e-{platform_name()}"
+    path = args.out or os.path.join("results", f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
@@ -219,7 +223,7 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
 def main(argv=None) -> int:
     os.environ.setdefault("ROCKETKV_TIMING", "1")  # Stage 1 share of prefill
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="default: embedded SmolLM2")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -263,10 +267,10 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.model import resolve_model
     from rocketkv_eval.needle import build_needle_prompt
 
-    model = args.model or prepare_default_model()
+    model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [
         build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
