@@ -23,11 +23,6 @@ logger = init_logger(f"vllm.{__name__}")
 BACKEND_NAME = "ROCKETKV"
 BACKEND_PATH = "rocketkv_vllm.backend.RocketKVBackend"
 
-# vLLM fills CommonAttentionMetadata.rswa_prefix_lens with every request's
-# prompt length only when the model has an R-SWA window; ROCKETKV needs those
-# lengths and sets this marker window (no ROCKETKV layer applies R-SWA).
-RSWA_MARKER_WINDOW = 1 << 30
-
 # 16 suits FLASH_ATTN / TRITON_ATTN; on CPU 32 lets CPU_ATTN use its AMX
 # kernels for bf16 (and vec, not vec16, elsewhere).
 DEFAULT_BLOCK_SIZE = 16
@@ -84,12 +79,7 @@ def configure_engine(vllm_config) -> None:
             "KV connectors / disaggregated prefill (a transferred "
             "cache would miss ROCKETKV's compaction and KT pages)"
         )
-    if model_config.rswa_window not in (None, RSWA_MARKER_WINDOW):
-        refusals.append("models with reference sliding-window attention")
-    if getattr(model_config.hf_text_config, "sliding_window", None):
-        refusals.append("sliding-window models")
-    if model_config.use_mla:
-        refusals.append("MLA models")
+    refusals += unsupported_model_reasons(model_config)
     if cache_config.cache_dtype not in ("auto", None):
         refusals.append(f"kv_cache_dtype={cache_config.cache_dtype} (use auto)")
     parallel = vllm_config.parallel_config
@@ -101,6 +91,14 @@ def configure_engine(vllm_config) -> None:
     settings = settings_for(vllm_config)
     test_aids_for(vllm_config)  # refuse bad test switches at startup too
 
+    if cache_config.prefix_cache_retention_interval == 0:
+        # vLLM's default keeps a sliding-window group's blocks only at each
+        # prompt's end and at shared-prefix junctions; a compressed prompt's
+        # hit stops before its observation window, where the sliding layers
+        # then have nothing: retain their checkpoints densely (a positive
+        # interval set by the user is kept: hits fall back to a checkpoint).
+        cache_config.prefix_cache_retention_interval = None
+
     if (
         settings.kernel == "triton"
         and not current_platform.is_cuda()
@@ -110,8 +108,6 @@ def configure_engine(vllm_config) -> None:
             "rocketkv.kernel='triton' is invalid here: allowed on NVIDIA GPUs (or "
             "with TRITON_INTERPRET=1 for testing); use 'auto' or 'torch'"
         )
-
-    model_config.model_arch_config.rswa_window = RSWA_MARKER_WINDOW
 
     tp = parallel.tensor_parallel_size
     kv_heads = model_config.get_total_num_kv_heads()
@@ -138,6 +134,47 @@ def configure_engine(vllm_config) -> None:
             example.kept_tokens(),
             example.topk,
             example.topr,
+        )
+
+
+def unsupported_model_reasons(model_config) -> list[str]:
+    """What in a model's attention ROCKETKV cannot compress, each named.
+
+    Hybrid sliding-window models are served: their sliding-window layers run
+    in vLLM's native backend (``vllm_patches``: backend selection), ROCKETKV
+    compresses the full-attention layers only (a model with none is refused
+    when its KV cache spec is built: ``check_kv_cache_spec``)."""
+    reasons = []
+    if model_config.rswa_window is not None:
+        reasons.append("models with reference sliding-window attention (R-SWA)")
+    if getattr(model_config, "attention_chunk_size", None):
+        reasons.append(
+            "chunked local attention (attention_chunk_size, e.g. Llama 4): its "
+            "local layers would need their own block manager beside ROCKETKV's"
+        )
+    if model_config.is_hybrid:
+        reasons.append(
+            "hybrid models with Mamba / linear-attention layers (a capped prefix "
+            "hit would cut their recurrent state)"
+        )
+    if model_config.use_mla:
+        reasons.append("MLA models")
+    return reasons
+
+
+def check_kv_cache_spec(kv_cache_spec: dict) -> None:
+    """A ROCKETKV engine's layers, as vLLM specced them: at least one is
+    ROCKETKV's (sliding-window layers run in vLLM's native backend)."""
+    from rocketkv_vllm.kv_cache import RocketKVAttentionSpec
+
+    if kv_cache_spec and not any(
+        isinstance(spec, RocketKVAttentionSpec) for spec in kv_cache_spec.values()
+    ):
+        kinds = sorted({type(spec).__name__ for spec in kv_cache_spec.values()})
+        raise ValueError(
+            "ROCKETKV attention backend compresses full-attention layers, and this "
+            f"model has none (its KV cache layers: {', '.join(kinds)}); serve it "
+            "with vLLM's own backend"
         )
 
 

@@ -38,6 +38,7 @@ import weakref
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
@@ -165,6 +166,8 @@ class RocketKVManager(FullAttentionManager):
         # Blocks hashed while scheduling this step: their K/V are written by
         # its forward, after the step's block copies have run.
         self._hashed_this_step: set[int] = set()
+        # Each prompt chunk being scheduled: (tokens computed before, end).
+        self._chunk_ends: dict[str, tuple[int, int]] = {}
         self.prefix_account = PrefixCacheAccount()
         self._account_path: Path | None = None  # where publish_account writes
 
@@ -244,8 +247,11 @@ class RocketKVManager(FullAttentionManager):
         stop = plan.compact_blocks(self.block_size) * self.block_size
         end = num_computed_tokens + num_new_tokens
         if num_computed_tokens < stop < end and end >= plan.num_prompt_tokens:
-            return stop - num_computed_tokens
-        return num_new_tokens
+            end = stop
+        # cache_blocks is told the step's end rounded down to the hybrid
+        # coordinator's alignment; it reads the exact end here.
+        self._chunk_ends[request.request_id] = (num_computed_tokens, end)
+        return end - num_computed_tokens
 
     def _private_copies(self, request_id: str, num_hit_blocks: int) -> int:
         """Hit blocks a new request compacts into, so gets its own copies of."""
@@ -335,7 +341,10 @@ class RocketKVManager(FullAttentionManager):
                     b.block_id for b, m in zip(blocks[num_cached:num_full], mask) if m
                 )
             self.num_cached_block[rid] = num_full
-        if targets and request.num_computed_tokens < plan.num_prompt_tokens <= num_tokens:
+        start, end = self._chunk_ends.pop(rid, (None, num_tokens))
+        if start != request.num_computed_tokens:
+            end = num_tokens
+        if targets and request.num_computed_tokens < plan.num_prompt_tokens <= max(end, num_tokens):
             self._to_preserve[rid] = (request, request.num_computed_tokens)
 
     def take_pending_cow_copies(self):
@@ -356,8 +365,10 @@ class RocketKVManager(FullAttentionManager):
         if not blocks:
             return
         todo, late = [], 0
-        for j in range(min(targets, len(request.block_hashes))):
-            if self.block_pool.get_cached_block(request.block_hashes[j], [gid]) is not None:
+        # The request's hashes are computed at the scheduler's hash block size.
+        hashes = resolve_block_hashes(request.block_hashes, self.block_pool.hash_block_size, bs)
+        for j in range(min(targets, len(hashes))):
+            if self.block_pool.get_cached_block(hashes[j], [gid]) is not None:
                 continue  # in the cache already (the request's copy came from it)
             if (j + 1) * bs > computed_before or blocks[j].is_null:
                 late += 1  # written in this very step: no dense copy to take
@@ -389,6 +400,7 @@ class RocketKVManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str):
         self._to_preserve.pop(request_id, None)
+        self._chunk_ends.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
 

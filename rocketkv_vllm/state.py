@@ -24,15 +24,17 @@ from rocketkv_vllm.requests import planned_budget
 
 class WorkerRequests:
     """What the worker knows of each batch row's request beyond vLLM's
-    attention metadata: its own token budget (``requests``) and, under
-    Model Runner V2, its prompt length.
+    attention metadata: its prompt length and its own token budget
+    (``requests``), and whether the step is a dummy run.
 
     Model Runner V2 gives each row's slot in its request table
     (``CommonAttentionMetadata.req_idx``): budgets and prompt lengths are
     kept per slot, set when a request takes the slot (``v2_add``). The V1
-    runner passes prompt lengths on the host (``rswa_prefix_lens``) and
-    reorders its persistent batch in ``_update_states``: the rows' budgets
-    are read off its order right after (``v1_after_update``).
+    runner reorders its persistent batch in ``_update_states``: the rows'
+    budgets are read off its order right after, and its prompt-length
+    tensor, kept in that order, is remembered (``v1_after_update``).
+    Dummy runs (profiling, CUDA graph capture, idle data-parallel ranks) are
+    marked by the runner hooks (``dummy``): their rows are no requests.
     """
 
     def __init__(self) -> None:
@@ -41,6 +43,8 @@ class WorkerRequests:
         self.row_ids: list[str | None] = []  # V1: this step's rows' request ids
         self.by_slot: dict[int, int | None] = {}  # V2: budget by slot
         self._prompt_lens = np.full(0, -1, dtype=np.int64)  # V2: by slot
+        self.v1_prompt_lens: torch.Tensor | None = None  # V1: the runner's, by row
+        self.dummy = False  # the step being run is a dummy run
 
     def v1_before_update(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -52,7 +56,10 @@ class WorkerRequests:
             else:
                 self.by_request[new.req_id] = budget
 
-    def v1_after_update(self, req_ids: list[str | None]) -> None:
+    def v1_after_update(self, req_ids: list[str | None], prompt_lens: torch.Tensor) -> None:
+        """``prompt_lens``: the V1 input batch's persistent host tensor of
+        prompt lengths by row (vLLM's ``num_prompt_tokens_cpu_tensor``)."""
+        self.v1_prompt_lens = prompt_lens
         by_request = self.by_request
         self.rows = [by_request.get(r) for r in req_ids] if by_request else []
         self.row_ids = list(req_ids)
@@ -88,32 +95,32 @@ class WorkerRequests:
 
 
 class PromptLengths:
-    """Each batch row's prompt length, on the host.
-
-    vLLM hands the lengths over in ``rswa_prefix_lens`` (see ``engine``): a
-    host tensor under the V1 model runner. Model Runner V2 passes a device
-    tensor and each row's slot in its request table (``req_idx``); the
-    lengths come from the runner hook that records each new request's prompt
-    length by slot (``state.WorkerRequests``), so no step waits for the
-    device. A slot the hook has not seen (not expected) is read from the
-    device tensor, counted in ``device_reads``.
+    """Each batch row's prompt length, on the host, from the runner hooks
+    (``WorkerRequests``): under V1 the input batch's own tensor, under V2
+    the length recorded when the row's request took its slot, so no step
+    waits for the device. None for a dummy run (its rows are all dense). A
+    V2 slot the hook has not seen (not expected) counts as a prompt too
+    short to compress, counted in ``unknown_slots``.
     """
 
-    def __init__(self, requests) -> None:
+    def __init__(self, requests: WorkerRequests) -> None:
         self.requests = requests
-        self.device_reads = 0  # tests: how often the device was waited for
+        self.unknown_slots = 0
 
-    def get(self, cm, num_reqs: int) -> np.ndarray:
-        src = cm.rswa_prefix_lens[:num_reqs]
+    def get(self, cm, num_reqs: int) -> np.ndarray | None:
+        requests = self.requests
+        if requests.dummy:
+            return None
         if cm.req_idx is None:
-            # V1 model runner: a host tensor.
-            return src.cpu().numpy().astype(np.int64)
+            if requests.v1_prompt_lens is None:
+                return None  # no step has run yet: a warm-up batch
+            return requests.v1_prompt_lens[:num_reqs].numpy().astype(np.int64)
         slots = np.asarray(cm.req_idx[:num_reqs], dtype=np.int64)
-        lens = self.requests.prompt_lens_for_slots(slots)
+        lens = requests.prompt_lens_for_slots(slots)
         unknown = lens < 0
         if unknown.any():
-            self.device_reads += 1
-            lens[unknown] = src.cpu().numpy()[unknown]
+            self.unknown_slots += int(unknown.sum())
+            lens[unknown] = 0
         return lens
 
 

@@ -68,6 +68,9 @@ def _get_attn_backend_cls(original):
         from rocketkv_vllm.engine import is_rocketkv, validated_backend_path
 
         if is_rocketkv(selected_backend):
+            if attn_selector_config.has_sliding_window:
+                # Sliding-window layers of a hybrid model: vLLM's own choice.
+                return original(cls, None, attn_selector_config, num_heads)
             return validated_backend_path(attn_selector_config)
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
@@ -119,9 +122,15 @@ def _get_computed_blocks(original):
         blocks, num_hit, boundary = original(self, request)
         hits = blocks.blocks[manager.kv_cache_group_id] if blocks.blocks else ()
         capped = manager.capped_hit(request, num_hit, hits)
-        if capped < num_hit:
-            blocks = self.truncate_computed_blocks(blocks, capped)
-        return blocks, capped, boundary
+        if capped >= num_hit:
+            return blocks, num_hit, boundary
+        # vLLM's own lookup up to the cap: the hit every KV cache group accepts
+        # (a sliding-window group needs its window's blocks before the hit).
+        computed, num_hit, num_uncached = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, capped
+        )
+        boundary = num_hit + num_uncached if num_uncached else 0
+        return self.create_kv_cache_blocks(computed), num_hit, boundary
 
     return get_computed_blocks
 
@@ -161,10 +170,28 @@ def _v1_update_states(original):
             return original(self, scheduler_output)
         state.requests.v1_before_update(scheduler_output)
         result = original(self, scheduler_output)
-        state.requests.v1_after_update(self.input_batch.req_ids)
+        batch = self.input_batch
+        state.requests.v1_after_update(batch.req_ids, batch.num_prompt_tokens_cpu_tensor)
         return result
 
     return _update_states
+
+
+def _v1_dummy_run(original):
+    @functools.wraps(original)
+    def _dummy_run(self, *args, **kwargs):
+        from rocketkv_vllm.state import existing_worker_state
+
+        state = existing_worker_state(self.vllm_config)
+        if state is None:
+            return original(self, *args, **kwargs)
+        state.requests.dummy = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state.requests.dummy = False
+
+    return _dummy_run
 
 
 def _v2_add_requests(original):
@@ -226,6 +253,8 @@ def _v2_gather_batch_req_state(original):
 
         state, uniform_count = original(self, scheduler_output, dummy_run)
         worker = existing_worker_state(self.vllm_config)
+        if worker is not None:
+            worker.requests.dummy = bool(dummy_run)
         guard = None if worker is None else worker.graph_guard
         if guard is None or state is None or uniform_count is None:
             return state, uniform_count
@@ -241,13 +270,15 @@ def _get_kv_cache_spec(original):
     def get_kv_cache_spec(self):
         from vllm.config import set_current_vllm_config
 
-        from rocketkv_vllm.engine import is_rocketkv_engine
+        from rocketkv_vllm.engine import check_kv_cache_spec, is_rocketkv_engine
 
         if not is_rocketkv_engine(self.vllm_config):
             return original(self)
         # RocketKVBackend.customize_spec reads the engine's settings from it.
         with set_current_vllm_config(self.vllm_config):
-            return original(self)
+            spec = original(self)
+        check_kv_cache_spec(spec)
+        return spec
 
     return get_kv_cache_spec
 
@@ -272,7 +303,8 @@ PATCHES: tuple[Patch, ...] = (
         ("cls", "selected_backend", "attn_selector_config", "num_heads"),
         _get_attn_backend_cls,
         "honour an explicit ROCKETKV choice on every platform (CPU would always "
-        "pick CPU_ATTN), after vLLM's own backend checks naming ROCKETKV",
+        "pick CPU_ATTN), after vLLM's own backend checks naming ROCKETKV; a hybrid "
+        "model's sliding-window layers get vLLM's own choice",
         classmethod=True,
     ),
     Patch(
@@ -335,7 +367,16 @@ PATCHES: tuple[Patch, ...] = (
         "_update_states",
         ("self", "scheduler_output"),
         _v1_update_states,
-        "each batch row's own budget (V1 runner, state)",
+        "each batch row's prompt length and own budget (V1 runner, state)",
+    ),
+    Patch(
+        _V1_RUNNER,
+        "GPUModelRunner",
+        "_dummy_run",
+        ("self", "num_tokens"),
+        _v1_dummy_run,
+        "mark dummy runs, whose rows are no requests, all dense (V1 runner, state)",
+        exact=False,
     ),
     Patch(
         _V2_RUNNER,
@@ -360,7 +401,8 @@ PATCHES: tuple[Patch, ...] = (
         "gather_batch_req_state",
         ("self", "scheduler_output", "dummy_run"),
         _v2_gather_batch_req_state,
-        "keep steps a FULL CUDA graph cannot run off FULL graphs (backend.graphs)",
+        "mark dummy runs all dense (state); keep steps a FULL CUDA graph cannot run "
+        "off FULL graphs (backend.graphs)",
     ),
     Patch(
         _V1_RUNNER,

@@ -1,12 +1,13 @@
 """The metadata builder as both of vLLM's model runners call it.
 
 The CPU build runs the V1 model runner (prompt lengths in a host tensor);
-NVIDIA defaults to Model Runner V2, which passes no prompt lengths for dummy
-and CUDA-graph capture batches, and a device tensor plus each row's request
-slot (``req_idx``) otherwise. These tests build ``CommonAttentionMetadata``
-exactly that way and check what the builder plans, that V2 steps without a
-new request never read the lengths back from the device, and that the
-decode rows it builds give the per-request oracle's Stage 2 output.
+NVIDIA defaults to Model Runner V2, which passes each row's request slot
+(``req_idx``). Prompt lengths reach the builder through the runner hooks
+(``vllm_patches``): V1's input-batch tensor, V2's record per slot, and a
+mark on dummy runs. These tests build ``CommonAttentionMetadata`` as each
+runner does, leave what its hooks leave, and check what the builder plans
+and that the decode rows it builds give the per-request oracle's Stage 2
+output.
 """
 
 import numpy as np
@@ -56,37 +57,22 @@ def builder(model_path):
     return _make_builder(model_path, {"token_budget": 256}, 8192)
 
 
-class Lens(torch.Tensor):
-    """A prompt-length tensor that records every read of its values, standing
-    in for V2's device tensor (reading it would wait for the device)."""
-
-    reads = 0
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (
-            torch.Tensor.cpu,
-            torch.Tensor.to,
-            torch.Tensor.tolist,
-            torch.Tensor.item,
-            torch.Tensor.__int__,
-        ):
-            Lens.reads += 1
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-def _cm(rows, block_table, prompt_lens="v2", req_idx=None):
-    """rows: (context_len, q_len, prompt_len) per request."""
+def _cm(builder, rows, block_table, runner="v2", req_idx=None):
+    """rows: (context_len, q_len, prompt_len) per request. ``runner``: what
+    the runner hooks (vllm_patches) leave for the builder before it builds:
+    "v1" the V1 input batch's prompt lengths in row order, "v2" nothing
+    (the lengths were recorded when the requests took their slots,
+    ``_v2_new_requests``), "dummy" a dummy run (profiling, capture)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
+    requests = builder.state.requests
+    requests.dummy = runner == "dummy"
+    if runner == "v1":
+        lens = torch.tensor([p for _, _, p in rows] + [-7], dtype=torch.int32)
+        requests.v1_prompt_lens = lens  # a row past the batch: never read
     q_lens = [q for _, q, _ in rows]
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
     seq = torch.tensor([c + q for c, q, _ in rows], dtype=torch.int32)
-    lens = None
-    if prompt_lens is not None:
-        lens = torch.tensor([p for _, _, p in rows], dtype=torch.int32)
-        if prompt_lens == "v2":
-            lens = lens.as_subclass(Lens)
     n = int(qsl[-1])
     return CommonAttentionMetadata(
         query_start_loc=qsl,
@@ -99,7 +85,6 @@ def _cm(rows, block_table, prompt_lens="v2", req_idx=None):
         max_seq_len=int(seq.max()),
         block_table_tensor=block_table[: len(rows)],
         slot_mapping=torch.zeros(n, dtype=torch.int64),
-        rswa_prefix_lens=lens,
         req_idx=None if req_idx is None else np.array(req_idx, dtype=np.int32),
     )
 
@@ -110,7 +95,9 @@ def _block_table(num_reqs):
 
 def test_capture_and_dummy_batches_without_prompt_lengths_are_dense(builder):
     # V2's make_dummy / capture: prompt lengths None, no request slots.
-    md = builder.build(0, _cm([(3000, 1, 3000), (0, 8, 8)], _block_table(2), prompt_lens=None))
+    md = builder.build(
+        0, _cm(builder, [(3000, 1, 3000), (0, 8, 8)], _block_table(2), runner="dummy")
+    )
     assert md.native is not None
     assert md.decode is None and not md.stage1_rows and not md.recompute
 
@@ -133,20 +120,19 @@ def _v2_new_requests(builder, slots_and_lengths, budgets=None):
     builder.state.requests.v2_add(SimpleNamespace(scheduled_new_reqs=new), index)
 
 
-def test_v2_never_reads_prompt_lengths_from_the_device(builder):
+def test_v2_prompt_lengths_come_from_the_slots(builder):
     """Under Model Runner V2 the lengths come from the new requests the
     runner is sent (recorded per slot by its add_requests hook), so no step
-    waits for the device tensor, also with prefix caching (a new request's
-    first chunk may start past a cache hit)."""
+    waits for the device, also with prefix caching (a new request's first
+    chunk may start past a cache hit)."""
     s = builder.settings
     table = _block_table(3)
-    reads = builder.prompt_lengths.device_reads
-    Lens.reads = 0
+    unknown = builder.prompt_lengths.unknown_slots
     # Step 1: a compressed request decoding, a short one decoding, a long
     # prompt's first chunk (all three slots new to the builder).
     _v2_new_requests(builder, [(5, 3000), (2, 100), (7, 5000)])
     md = builder.build(
-        0, _cm([(3000, 1, 3000), (119, 1, 100), (0, 512, 5000)], table, req_idx=[5, 2, 7])
+        0, _cm(builder, [(3000, 1, 3000), (119, 1, 100), (0, 512, 5000)], table, req_idx=[5, 2, 7])
     )
     plan = plan_request(s, 3000)
     assert plan.compress and not plan_request(s, 100).compress
@@ -160,9 +146,10 @@ def test_v2_never_reads_prompt_lengths_from_the_device(builder):
     assert torch.equal(md.decode.block_table, table[[0]])
     assert not md.stage1_rows and not md.window_rows
 
-    # Step 2: same requests, no new one. The device tensor holds nonsense:
-    # a builder that read it would plan differently.
-    md = builder.build(0, _cm([(3001, 1, 0), (120, 1, 0), (512, 512, 0)], table, req_idx=[5, 2, 7]))
+    # Step 2: same requests, no new one.
+    md = builder.build(
+        0, _cm(builder, [(3001, 1, 0), (120, 1, 0), (512, 512, 0)], table, req_idx=[5, 2, 7])
+    )
     assert md.decode.seq_lens.tolist() == [3002]
 
     # Step 3: the long prompt's last chunk (Stage 1 and its window), and
@@ -170,18 +157,25 @@ def test_v2_never_reads_prompt_lengths_from_the_device(builder):
     # prefix-cache hit of 32 tokens: planned afresh.
     _v2_new_requests(builder, [(5, 72)])
     md = builder.build(
-        0, _cm([(32, 40, 0), (121, 1, 100), (4608, 392, 5000)], table, req_idx=[5, 2, 7])
+        0, _cm(builder, [(32, 40, 0), (121, 1, 100), (4608, 392, 5000)], table, req_idx=[5, 2, 7])
     )
     assert md.decode is None
     assert [(r.q_start, r.q_end, r.context_len) for r in md.stage1_rows] == [(41, 433, 4608)]
     assert md.stage1_rows[0].key == 7
     assert md.stage1_rows[0].plan == plan_request(s, 5000)
-    assert builder.prompt_lengths.device_reads == reads
-    assert Lens.reads == 0
+    assert builder.prompt_lengths.unknown_slots == unknown
+
+    # A slot no hook recorded (not expected) is a request too short to
+    # compress, and counted.
+    md = builder.build(0, _cm(builder, [(3000, 1, 3000)], table, req_idx=[40]))
+    assert md.decode is None and md.native is not None
+    assert builder.prompt_lengths.unknown_slots == unknown + 1
 
 
 def test_v1_prompt_lengths_on_the_host(builder):
-    md = builder.build(0, _cm([(3000, 1, 3000), (700, 3, 700)], _block_table(2), prompt_lens="v1"))
+    md = builder.build(
+        0, _cm(builder, [(3000, 1, 3000), (700, 3, 700)], _block_table(2), runner="v1")
+    )
     plan = plan_request(builder.settings, 700)
     # Three tokens wholly after a compressed prompt (recomputed after a
     # preemption): one Stage 2 row each, in order, growing seq_len.
@@ -269,7 +263,8 @@ def test_decode_rows_drive_stage2_like_the_oracle(builder):
     gen = torch.Generator().manual_seed(0)
     table = torch.zeros(len(prompts), 512, dtype=torch.int32)
     kv, k, v, kt = _compressed_requests(s, dict(enumerate(prompts)), table, gen)
-    md = builder.build(0, _cm([(n, 1, n) for n in prompts], table, req_idx=[10, 11, 12]))
+    _v2_new_requests(builder, [(10 + i, n) for i, n in enumerate(prompts)])
+    md = builder.build(0, _cm(builder, [(n, 1, n) for n in prompts], table, req_idx=[10, 11, 12]))
     rows = md.decode
     query = torch.randn(len(prompts), HKV * G, D, generator=gen)
     oracle_kt = kt.clone()
@@ -293,10 +288,10 @@ def test_rows_follow_their_requests_budgets(builder, runner):
     try:
         if runner == "v2":
             _v2_new_requests(builder, [(30 + i, n) for i, (_, _, n) in enumerate(rows)], budgets)
-            cm = _cm(rows, _block_table(4), req_idx=[30, 31, 32, 33])
+            cm = _cm(builder, rows, _block_table(4), req_idx=[30, 31, 32, 33])
         else:
             requests.rows = budgets[:3]  # a row past the list: no budget
-            cm = _cm(rows, _block_table(4), prompt_lens="v1")
+            cm = _cm(builder, rows, _block_table(4), runner="v1")
         md = builder.build(0, cm)
     finally:
         requests.by_slot.clear()
@@ -318,16 +313,17 @@ class _EngineConfig:
 
 
 def test_model_runner_hooks_record_budgets_per_slot_and_row():
-    """The hooks (vllm_patches) wrap two vLLM internals, checked by
-    signature, and leave each request's budget where the builder looks: V2
-    by the slot its request table gives it, V1 by row after the persistent
-    batch is reordered. Engines with another backend are left alone."""
+    """The hooks (vllm_patches) wrap vLLM internals, checked by signature,
+    and leave each request's budget and prompt length where the builder
+    looks: V2 by the slot its request table gives it, V1 by row after the
+    persistent batch is reordered; dummy runs are marked. Engines with
+    another backend are left alone."""
     from types import SimpleNamespace
 
     from rocketkv_vllm import vllm_patches
-    from rocketkv_vllm.state import worker_state
+    from rocketkv_vllm.state import PromptLengths, worker_state
 
-    for name in ("add_requests", "_update_states"):
+    for name in ("add_requests", "_update_states", "_dummy_run", "gather_batch_req_state"):
         [patch] = [
             p for p in vllm_patches.PATCHES if p.owner == "GPUModelRunner" and p.name == name
         ]
@@ -351,18 +347,35 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
             for r in out.scheduled_new_reqs:
                 self.req_states.req_id_to_index[r.req_id] = 2 + len(self.req_states.req_id_to_index)
 
+        def gather_batch_req_state(self, out, dummy_run):
+            return None, None
+
     class V1Runner:  # _update_states ends with the batch in its final order
         def __init__(self, vllm_config):
             self.vllm_config = vllm_config
-            self.input_batch = SimpleNamespace(req_ids=[])
+            lens = torch.zeros(8, dtype=torch.int32)
+            self.input_batch = SimpleNamespace(req_ids=[], num_prompt_tokens_cpu_tensor=lens)
+            self.prompt_len = {}
 
         def _update_states(self, out):
-            ids = [r for r in self.input_batch.req_ids if r not in out.finished_req_ids]
+            batch = self.input_batch
+            ids = [r for r in batch.req_ids if r not in out.finished_req_ids]
             ids += [r.req_id for r in out.scheduled_new_reqs]
-            self.input_batch.req_ids = sorted(ids)
+            self.prompt_len.update({r.req_id: r.prompt_len for r in out.scheduled_new_reqs})
+            batch.req_ids = sorted(ids)
+            for row, r in enumerate(batch.req_ids):
+                batch.num_prompt_tokens_cpu_tensor[row] = self.prompt_len[r]
+
+        def _dummy_run(self, num_tokens):
+            return state.requests.dummy
 
     V2Runner.add_requests = vllm_patches._v2_add_requests(V2Runner.add_requests)
     V1Runner._update_states = vllm_patches._v1_update_states(V1Runner._update_states)
+    V1Runner._dummy_run = vllm_patches._v1_dummy_run(V1Runner._dummy_run)
+    V2Runner.gather_batch_req_state = vllm_patches._v2_gather_batch_req_state(
+        V2Runner.gather_batch_req_state
+    )
+    lengths = PromptLengths(state.requests)
 
     runner = V2Runner(ours)
     runner.add_requests(
@@ -373,13 +386,27 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
     assert state.requests.prompt_lens_for_slots(np.array([4, 2, 9])).tolist() == [300, 100, -1]
     V2Runner(other).add_requests(SimpleNamespace(scheduled_new_reqs=[new("d", 64)]))
 
+    assert lengths.get(cm, 3).tolist() == [300, 100, 10]
+    runner.gather_batch_req_state(None, True)  # a V2 dummy run: all dense
+    assert lengths.get(cm, 3) is None
+    runner.gather_batch_req_state(None, False)
+    assert lengths.get(cm, 3).tolist() == [300, 100, 10]
+
     runner = V1Runner(ours)
     runner._update_states(
-        SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[new("z", 64), new("y", None)])
+        SimpleNamespace(
+            finished_req_ids=set(), scheduled_new_reqs=[new("z", 64, 700), new("y", None, 20)]
+        )
     )
-    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [None, 64]
+    v1 = SimpleNamespace(num_reqs=2, req_idx=None)
+    assert state.requests.budgets_for_rows(v1) == [None, 64]
+    assert lengths.get(v1, 2).tolist() == [20, 700]
     runner._update_states(SimpleNamespace(finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
-    assert state.requests.budgets_for_rows(SimpleNamespace(num_reqs=2, req_idx=None)) == [0, None]
+    assert state.requests.budgets_for_rows(v1) == [0, None]
+    assert lengths.get(v1, 2).tolist() == [10, 20]
+    # A dummy run is marked while it runs, and only then.
+    assert runner._dummy_run(8) is True
+    assert not state.requests.dummy and lengths.get(v1, 2) is not None
     assert "z" not in state.requests.by_request
     from rocketkv_vllm.state import existing_worker_state
 
@@ -430,7 +457,7 @@ def test_graph_step_replays_its_capture(graph_builder):
     s = b.settings
     assert b.get_cudagraph_support(b.vllm_config, b.kv_cache_spec).name == "NEVER"  # CPU
     table = torch.zeros(4, 512, dtype=torch.int32)
-    capture = b.build(0, _cm([(5, 1, 0)] * 4, table, prompt_lens=None))
+    capture = b.build(0, _cm(b, [(5, 1, 0)] * 4, table, runner="dummy"))
     assert b.graph is not None and capture.decode is not None
     assert capture.decode.in_place and capture.decode.seq_lens.tolist() == [0] * 4
     assert capture.decode.max_pages == b.graph.max_pages
@@ -440,7 +467,8 @@ def test_graph_step_replays_its_capture(graph_builder):
     gen = torch.Generator().manual_seed(3)
     _, k, v, kt = _compressed_requests(s, {0: 1800, 2: 700}, table, gen)
     # rows: compressed, short (dense), compressed, V2 padding (no request)
-    cm = _cm([(1800, 1, 1800), (90, 1, 90), (700, 1, 700), (0, 1, 0)], table, req_idx=[4, 9, 6])
+    _v2_new_requests(b, [(4, 1800), (9, 90), (6, 700)])
+    cm = _cm(b, [(1800, 1, 1800), (90, 1, 90), (700, 1, 700), (0, 1, 0)], table, req_idx=[4, 9, 6])
     cm.seq_lens[3] = 0
     cm.seq_lens_cpu_upper_bound[3] = 0
     step = b.build(0, cm)
@@ -485,22 +513,22 @@ def test_graph_layout_leaves_prompt_steps_and_large_selections_eager(graph_build
     b = graph_builder
     s = b.settings
     table = _block_table(2)
-    b.build(0, _cm([(5, 1, 0)] * 2, table, prompt_lens=None))  # sets the guard
+    b.build(0, _cm(b, [(5, 1, 0)] * 2, table, runner="dummy"))  # sets the guard
     guard = b.state.graph_guard
     _v2_new_requests(b, [(1, 3000), (2, 3000)])
-    md = b.build(0, _cm([(3000, 1, 3000), (2999, 1, 3000)], table, req_idx=[1, 2]))
+    md = b.build(0, _cm(b, [(3000, 1, 3000), (2999, 1, 3000)], table, req_idx=[1, 2]))
     assert len(md.stage1_rows) == 1 and not md.decode.in_place
     assert guard.needs_eager(np.array([False, True]), [None, None])
 
     big = 8 * 256  # selects 4x the pages of the engine's budget
     _v2_new_requests(b, [(1, 3000), (2, 3000)], [big, None])
-    md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
+    md = b.build(0, _cm(b, [(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
     assert not md.decode.in_place
     assert md.decode.topk.tolist() == [plan_request(s, 3000, big).topk, plan_request(s, 3000).topk]
     assert guard.needs_eager(np.array([False, False]), [big, None])
     assert not guard.needs_eager(np.array([False, False]), [256, 0, None])
     _v2_new_requests(b, [(1, 3000), (2, 3000)])
-    md = b.build(0, _cm([(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
+    md = b.build(0, _cm(b, [(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
     assert md.decode.in_place
 
 
@@ -614,7 +642,7 @@ def test_eager_triton_stage2_runs_large_batches_in_row_chunks(model_path, monkey
     gen = torch.Generator().manual_seed(5)
     table = torch.zeros(len(prompts), 512, dtype=torch.int32)
     kv, k, v, kt = _compressed_requests(s, dict(enumerate(prompts)), table, gen)
-    md = b.build(0, _cm([(n, 1, n) for n in prompts], table, prompt_lens="v1"))
+    md = b.build(0, _cm(b, [(n, 1, n) for n in prompts], table, runner="v1"))
     query = torch.randn(len(prompts), HKV * G, D, generator=gen)
     oracle_kt = kt.clone()
     kt_before = kt.clone()

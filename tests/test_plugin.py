@@ -132,3 +132,75 @@ def test_kv_offloading_is_refused_at_startup(model_path):
     with pytest.raises(Exception) as err:
         _engine_config(model_path, kv_offloading_size=1.0)
     assert "ROCKETKV" in str(err.value) and "offloading" in str(err.value)
+
+
+def _config_only_model(tmp_path, config) -> str:
+    """A model directory vLLM can configure (no weights): ``config`` and the
+    tiny Llama's tokenizer."""
+    import shutil
+    from pathlib import Path
+
+    from rocketkv_eval.tiny_model import prepare_tiny_model
+
+    src = Path(prepare_tiny_model(64, num_heads=3, num_kv_heads=1))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    config.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _chunked_local_llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attention_chunk_size=64,
+        max_position_embeddings=8192,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def _mamba_hybrid():
+    from transformers import JambaConfig
+
+    return JambaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_expand=2,
+        max_position_embeddings=8192,
+        architectures=["JambaForCausalLM"],
+    )
+
+
+@pytest.mark.parametrize(
+    "make_config,reason",
+    [
+        (_chunked_local_llama, "chunked local attention (attention_chunk_size"),
+        (_mamba_hybrid, "hybrid models with Mamba / linear-attention layers"),
+    ],
+)
+def test_unsupported_model_kinds_are_refused_at_startup(tmp_path, make_config, reason):
+    """What ROCKETKV cannot compress is refused while vLLM builds the
+    engine's config, naming it (before any weight is loaded)."""
+    register()
+    model = _config_only_model(tmp_path, make_config())
+    with pytest.raises(Exception) as err:
+        _engine_config(model)
+    assert "ROCKETKV attention backend does not support" in str(err.value)
+    assert reason in str(err.value)

@@ -34,6 +34,7 @@ def external_id(request) -> str:
 
 
 def held_blocks(sched, req_id: str) -> int:
-    """KV blocks a request holds now (the null block not counted)."""
-    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
-    return sum(1 for b in manager.req_to_blocks.get(req_id, []) if not b.is_null)
+    """KV blocks a request holds now, in every KV cache group (a hybrid
+    model's sliding-window groups included; the null block not counted)."""
+    managers = sched.kv_cache_manager.coordinator.single_type_managers
+    return sum(1 for m in managers for b in m.req_to_blocks.get(req_id, []) if not b.is_null)

@@ -61,3 +61,73 @@ def prepare_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def prepare_tiny_gemma3(
+    head_dim: int = 64,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    sliding_window: int = 64,
+    query_pre_attn_scalar: int = 48,
+    seed: int = 0,
+) -> str:
+    """A tiny random-weight Gemma 3 text model with the hybrid layout of the
+    real ones: 6 layers, each third full attention, the others a sliding
+    window of ``sliding_window`` tokens; a ``query_pre_attn_scalar`` other
+    than the head dim so a wrong attention scale changes the tokens."""
+    name = (
+        f"tiny-gemma3-d{head_dim}-h{num_heads}-kv{num_kv_heads}-w{sliding_window}"
+        f"-q{query_pre_attn_scalar}-s{seed}"
+    )
+    out = default_cache_dir().parent / name
+    if (out / _DONE).is_file():
+        return str(out)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    source = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    hidden = 64 * num_heads
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        sliding_window=sliding_window,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        architectures=["Gemma3ForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    # Random init leaves the RMSNorm weights at zero (Gemma scales by 1 + w):
+    # spread them so every layer's norms matter. A large untied output layer
+    # gives peaked logits (greedy tokens are no near-ties) that do not just
+    # repeat the input token.
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.normal_(0.0, 0.2)
+        model.lm_head.weight.normal_(0.0, 0.5)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE).write_text(json.dumps({"name": name, "seed": seed}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

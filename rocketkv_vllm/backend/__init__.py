@@ -67,12 +67,6 @@ class RocketKVBackend(AttentionBackend):
         return (KVCacheLayout.LBHNC,)
 
     @classmethod
-    def supports_rswa(cls) -> bool:
-        # We receive per-request prompt lengths through vLLM's R-SWA field;
-        # real R-SWA models are refused at startup (engine).
-        return True
-
-    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False
 

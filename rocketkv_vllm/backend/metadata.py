@@ -149,13 +149,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         fast_build: bool = False,
     ) -> RocketKVMetadata:
         cm = common_attn_metadata
-        # The R-SWA field carries prompt lengths to us only; the native
-        # backend must not apply the marker window.
-        native_cm = cm.replace(rswa_prefix_lens=None)
+        native_cm = cm
         md = RocketKVMetadata(native=None, num_actual_tokens=cm.num_actual_tokens)
         graph = self._graph_for(cm)
-        if cm.rswa_prefix_lens is None or cm.num_reqs == 0:
-            # Dummy / capture batches carry no prompt lengths: all dense.
+        prompt_lens = None if cm.num_reqs == 0 else self.prompt_lengths.get(cm, self._num_reqs(cm))
+        if prompt_lens is None:
+            # Dummy / capture batches carry no requests: all dense.
             if graph is not None:
                 return self._graph_step(
                     md,
@@ -169,7 +168,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
 
-        step = self._step(cm)
+        step = self._step(cm, prompt_lens)
         if graph is not None and not (step.compress & ~step.decode).any():
             # (A prompt chunk, where Stage 1 runs in Python, or a selection
             # larger than the captured one: the runner hooks keep such a step
@@ -208,10 +207,14 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         md.native = self.native.build(common_prefix_len, native_cm, fast_build)
         return md
 
-    def _step(self, cm: CommonAttentionMetadata) -> _Step:
+    @staticmethod
+    def _num_reqs(cm: CommonAttentionMetadata) -> int:
         # Under Model Runner V2 a FULL graph's batch is padded past the
         # requests (req_idx): the padding rows are never compressed.
-        num_reqs = cm.num_reqs if cm.req_idx is None else min(cm.num_reqs, len(cm.req_idx))
+        return cm.num_reqs if cm.req_idx is None else min(cm.num_reqs, len(cm.req_idx))
+
+    def _step(self, cm: CommonAttentionMetadata, prompt_lens: np.ndarray) -> _Step:
+        num_reqs = len(prompt_lens)
         qsl = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
         q_lens = np.diff(qsl)
         seq_src = (
@@ -219,7 +222,6 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         )
         seq_lens = seq_src[:num_reqs].cpu().numpy().astype(np.int64)
         context_lens = seq_lens - q_lens
-        prompt_lens = self.prompt_lengths.get(cm, num_reqs)
         budgets = self.state.requests.budgets_for_rows(cm)[:num_reqs]
         plans = [self.plans(n, b) for n, b in zip(prompt_lens.tolist(), budgets)]
         compress = np.array([p.compress for p in plans], dtype=bool) & (q_lens > 0)
