@@ -24,9 +24,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ENGINE_KW
+from conftest import make_llm
 
-from rocketkv_eval.engines import in_process, scheduler
+from rocketkv_eval.engines import scheduler
 
 pytestmark = pytest.mark.engine
 
@@ -164,25 +164,17 @@ def _run(llm, record_blocks: bool) -> Run:
 
 
 def _engine(model, backend, caching, rocketkv=None, testing=None):
-    from vllm import LLM
-
-    kw = dict(
-        ENGINE_KW,
+    return make_llm(
+        model,
+        backend,
+        rocketkv,
+        testing,
         max_model_len=2048,
         kv_cache_memory_bytes=1 << 27,
         max_num_batched_tokens=256,
         block_size=BS,
         enable_prefix_caching=caching,
     )
-    extra = {}
-    if rocketkv is not None:
-        extra["rocketkv"] = rocketkv
-    if testing:
-        extra["rocketkv_testing"] = testing
-    if extra:
-        kw["additional_config"] = extra
-    with in_process():
-        return LLM(model=model, attention_backend=backend, **kw)
 
 
 @pytest.fixture(scope="module")

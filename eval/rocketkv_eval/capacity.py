@@ -43,12 +43,35 @@ class CapacityResult:
     outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
 
 
-def kv_bytes_for_tokens(model_path: str, tokens: int, dtype_bytes: int) -> int:
-    """Plain (dense) KV bytes for `tokens` tokens of the model."""
+def _attention_layers(cfg: dict) -> tuple[int, int, int | None]:
+    """(full-attention layers, sliding-window layers, window) of a config."""
+    layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if not window:
+        return layers, 0, None
+    if types is None:  # every layer slides (Mistral-style)
+        return 0, layers, window
+    sliding = sum(t == "sliding_attention" for t in types)
+    return layers - sliding, sliding, window
+
+
+def kv_bytes_for_tokens(
+    model_path: str, tokens: int, dtype_bytes: int, block_size: int = 32
+) -> int:
+    """Plain (dense) KV bytes for `tokens` tokens of the model: every token
+    in full-attention layers, a window's blocks in sliding-window layers."""
     cfg = json.load(open(os.path.join(model_path, "config.json")))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_key_value_heads"] * head_dim * dtype_bytes
-    return tokens * per_token * cfg["num_hidden_layers"]
+    full, sliding, window = _attention_layers(cfg)
+    held = 0 if window is None else min(tokens, (math.ceil(window / block_size) + 1) * block_size)
+    return int(per_token * (full * tokens + sliding * held))
+
+
+def has_sliding_layers(model_path: str) -> bool:
+    cfg = json.load(open(os.path.join(model_path, "config.json")))
+    return _attention_layers(cfg)[1] > 0
 
 
 def run_capacity(
@@ -188,8 +211,9 @@ def main(argv=None) -> int:
     ]
     dtype_bytes = 4 if args.dtype == "float32" else 2
     kv_bytes = int(
-        kv_bytes_for_tokens(
-            model, args.fit_dense * (args.prompt_tokens + args.max_tokens), dtype_bytes
+        args.fit_dense
+        * kv_bytes_for_tokens(
+            model, args.prompt_tokens + args.max_tokens, dtype_bytes, args.block_size
         )
     )
 
@@ -225,7 +249,10 @@ def main(argv=None) -> int:
                 args.dtype,
                 engine_kw=caching,
             )
-            res.expected_blocks = expected_blocks(args.budget, args.prompt_tokens, args.block_size)
+            if not has_sliding_layers(model):  # held_blocks counts every group
+                res.expected_blocks = expected_blocks(
+                    args.budget, args.prompt_tokens, args.block_size
+                )
         results.append(res)
 
     rows = [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]

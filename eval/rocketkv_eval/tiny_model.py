@@ -17,6 +17,22 @@ from rocketkv_eval.model import default_cache_dir, prepare_default_model
 _DONE = ".rocketkv-tiny-complete"
 
 
+def _save(model, tokenizer, out: Path, meta: dict) -> str:
+    """Write the model and tokenizer to ``out`` whole or not at all."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE).write_text(json.dumps(meta))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
 def prepare_tiny_model(
     head_dim: int, num_heads: int = 2, num_kv_heads: int = 1, num_layers: int = 2, seed: int = 0
 ) -> str:
@@ -49,18 +65,7 @@ def prepare_tiny_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _DONE).write_text(json.dumps({"head_dim": head_dim, "seed": seed}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return _save(model, tokenizer, out, {"head_dim": head_dim, "seed": seed})
 
 
 def prepare_tiny_gemma3(
@@ -119,15 +124,60 @@ def prepare_tiny_gemma3(
             if "norm" in param_name:
                 param.normal_(0.0, 0.2)
         model.lm_head.weight.normal_(0.0, 0.5)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _DONE).write_text(json.dumps({"name": name, "seed": seed}))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return _save(model, tokenizer, out, {"name": name, "seed": seed})
+
+
+def prepare_tiny_gpt_oss(sliding_window: int = 64, seed: int = 0) -> str:
+    """A tiny random-weight gpt-oss (bf16 experts, no quantization): 4
+    layers alternating sliding-window and full attention, 4 query heads and
+    2 KV heads of 64 channels, learned attention sinks spread around zero
+    (some heads' sinks dominate short contexts, some never matter)."""
+    name = f"tiny-gpt-oss-w{sliding_window}-s{seed}"
+    out = default_cache_dir().parent / name
+    if (out / _DONE).is_file():
+        return str(out)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
+
+    source = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    config = GptOssConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=sliding_window,
+        max_position_embeddings=8192,
+        # vLLM's gpt-oss reads YaRN's parameters; factor 1 leaves RoPE as is.
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 1.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 8192,
+        },
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        architectures=["GptOssForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("sinks"):
+                param.normal_(0.0, 3.0)
+            elif "norm" in param_name:
+                param.normal_(1.0, 0.2)
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return _save(model, tokenizer, out, {"name": name, "seed": seed})
