@@ -23,6 +23,9 @@
 // KT rows are [min | max] in the cache dtype, or (uint8 kt_cache) the fp8
 // rows of rocketkv_vllm/algorithm/kt_fp8.py: 2d e4m3 codes, rounded outward,
 // and a power-of-two fp32 scale.
+// Optional attention sinks (gpt-oss): one fp32 logit per query head, compared
+// with the scaled logits, that joins the exact attention's softmax
+// denominator and has no value (rocketkv_vllm/algorithm/sinks.py).
 
 #include <torch/extension.h>
 
@@ -32,6 +35,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -215,7 +219,7 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
                      const torch::Tensor& num_compact, const torch::Tensor& tail_start,
                      const torch::Tensor& seq_lens, const torch::Tensor& topr,
                      const torch::Tensor& num_select, int64_t page_size, double scale,
-                     bool force_current_page, torch::Tensor& out) {
+                     bool force_current_page, const float* sinks, torch::Tensor& out) {
   const int64_t B = query.size(0), Hq = query.size(1), d = query.size(2);
   const int64_t Hkv = kv_cache.size(1), bs = kv_cache.size(2);
   const int64_t G = Hq / Hkv;
@@ -358,7 +362,8 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       }
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = &q[g * d];
-        float peak = -std::numeric_limits<float>::infinity();
+        // A sink enters the max too, so exp never overflows.
+        float peak = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
         for (int64_t u = 0; u < num_tokens; ++u) {
           const float* key = &keys[u * d];
           float s = 0.f;
@@ -372,6 +377,7 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
           w[u] = std::exp(w[u] - peak);
           den += w[u];
         }
+        if (sinks) den += std::exp(sinks[h * G + g] - peak);  // no value: denominator only
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t u = 0; u < num_tokens; ++u) {
           const float* val = &vals[u * d];
@@ -393,12 +399,14 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
 // contiguous 2*bs*d run, blocks and heads at any stride); kt_cache
 // [num_blocks, Hkv, bs/page_size, 2d] (last dim contiguous), or uint8
 // [..., 2d + 16] fp8 rows; int32 [B]
-// columns. Returns [B, Hq, d] in query's dtype.
+// columns; sinks: None or [Hq] sink logits (any float dtype). Returns [B, Hq, d]
+// in query's dtype.
 torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor kt_cache,
                          torch::Tensor block_table, torch::Tensor num_compact,
                          torch::Tensor tail_start, torch::Tensor seq_lens, torch::Tensor topr,
                          torch::Tensor num_select, int64_t page_size, double scale,
-                         bool force_current_page, int64_t layout) {
+                         bool force_current_page, int64_t layout,
+                         std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(query.device().is_cpu(), "hsa_decode: CPU tensors only");
   const bool fp8_kt = kt_cache.scalar_type() == at::ScalarType::Byte;
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() &&
@@ -417,6 +425,13 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
   TORCH_CHECK(layout != 2 || (query.size(2) % 32 == 0 && kv_cache.size(2) % 32 == 0),
               "hsa_decode: the AMX layout needs head_size and block_size divisible by 32, "
               "got ", query.size(2), " and ", kv_cache.size(2));
+  torch::Tensor sink_f;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == query.size(1),
+                "hsa_decode: sinks must be [num_q_heads], got ", sinks->sizes());
+    sink_f = sinks->to(torch::kFloat32).contiguous();
+  }
+  const float* sink_p = sinks.has_value() ? sink_f.data_ptr<float>() : nullptr;
   auto q = query.contiguous();
   auto out = torch::empty_like(q);
   auto as_i32 = [](const torch::Tensor& t) { return t.to(torch::kInt32).contiguous(); };
@@ -430,11 +445,11 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
           if (fp8_kt)
             hsa_decode_impl<scalar_t, decltype(layout_tag)::value, true>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, out);
+                force_current_page, sink_p, out);
           else
             hsa_decode_impl<scalar_t, decltype(layout_tag)::value, false>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, out);
+                force_current_page, sink_p, out);
         };
         if (layout == 1) run(std::integral_constant<int, 1>{});
         else if (layout == 2) run(std::integral_constant<int, 2>{});

@@ -13,7 +13,8 @@ K and V are read through two [num_blocks, Hkv, bs, d] views with their own
 block / head / slot / channel strides (any layout that shares the cache
 with vLLM's attention backends: per-token K|V, per-head K rows then V rows,
 K transposed per head block, padded blocks); this kernel keeps the dense
-baseline on exactly the cache access path of the sparse one.
+baseline on exactly the cache access path of the sparse one. Attention
+sinks as in ``sparse_decode`` (added once: one split, or the merge).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _dense_decode_kernel(
     o_ptr,
     lse_ptr,
     out_ptr,
+    sink_ptr,
     num_kv_heads,
     num_splits,
     tiles_per_split,
@@ -80,6 +82,7 @@ def _dense_decode_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -125,6 +128,7 @@ def _dense_decode_kernel(
         o_ptr,
         lse_ptr,
         out_ptr,
+        sink_ptr,
         b,
         h,
         bh,
@@ -138,6 +142,7 @@ def _dense_decode_kernel(
         D,
         D_PAD,
         DIRECT,
+        SINKS,
     )
 
 
@@ -152,12 +157,14 @@ def dense_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of query [B, Hq, d] over slots [0, seq_lens[b]) of
     each row (max_seq_len: a Python int >= every seq_lens[b]); k_cache,
     v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary); block_n:
-    tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache)."""
-    query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
+    tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache); sinks:
+    optional [Hq] sink logits (fp32; ``algorithm.sinks``)."""
+    query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks)
     if k_cache.dtype == torch.float32:  # see sparse_decode.launch_options
         block_n = min(block_n, FP32_TILE_TOKENS)
     batch = query.shape[0]
@@ -187,6 +194,7 @@ def dense_decode(
         o_part,
         lse_part,
         out,
+        out if sinks is None else sinks,  # unused without sinks
         hkv,
         splits,
         tiles_per_split,
@@ -206,8 +214,9 @@ def dense_decode(
         BLOCK_N=block_n,
         UPCAST=dot_upcast(k_cache.dtype),
         DIRECT=direct,
+        SINKS=sinks is not None,
         **launch_options(k_cache.dtype),
     )
     if not direct:
-        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)
+        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d, sinks)
     return out

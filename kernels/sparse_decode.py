@@ -22,6 +22,12 @@ Flash-decoding structure:
   per query head; with S == 1 the result goes straight to ``out``.
 * ``_merge_splits_kernel`` grid (B*Hq): merges the S partials.
 
+Attention sinks (``sinks`` [Hq] fp32, ``algorithm.sinks``; SINKS constexpr):
+the sink adds exp(s_h - m) to a query head's softmax denominator and nothing
+to its numerator. It is added exactly once per query head: when the result
+is final, i.e. in ``_store_result`` with one split, else in the merge (the
+partials and their log-sum-exps stay the keys' own).
+
 The splits are sized from Python ints (B, Hkv, n_sel, the SM count), never
 from tensor contents, so the launch is CUDA-graph capturable.
 """
@@ -65,6 +71,14 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _sink_term(sink_ptr, hq, ok, m):
+    """exp2(sink - m) per query head hq (m: a running max in log2 units;
+    -inf: no key seen). The sink logit is in natural units, unscaled."""
+    sink = tl.load(sink_ptr + hq, mask=ok, other=float("-inf")) * 1.4426950408889634
+    return tl.exp2(sink - tl.where(m == float("-inf"), 0.0, m))
+
+
+@triton.jit
 def _store_result(
     acc,
     m_i,
@@ -72,6 +86,7 @@ def _store_result(
     o_ptr,
     lse_ptr,
     out_ptr,
+    sink_ptr,
     b,
     h,
     bh,
@@ -85,11 +100,14 @@ def _store_result(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     DIRECT: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Normalised output: to ``out`` (one split) or as a partial + lse."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     mask = (g < G)[:, None] & (d < D)[None, :]
+    if DIRECT and SINKS:  # the final result: the sink's term, once
+        l_i = l_i + _sink_term(sink_ptr, h * G + g, g < G, m_i)
     has = l_i > 0
     res = acc / tl.where(has, l_i, 1.0)[:, None]
     if DIRECT:
@@ -169,6 +187,7 @@ def _sparse_decode_kernel(
     o_ptr,
     lse_ptr,
     out_ptr,
+    sink_ptr,
     num_kv_heads,
     num_sel,
     num_splits,
@@ -196,6 +215,7 @@ def _sparse_decode_kernel(
     PAGES_PER_TILE: tl.constexpr,
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -259,6 +279,7 @@ def _sparse_decode_kernel(
         o_ptr,
         lse_ptr,
         out_ptr,
+        sink_ptr,
         b,
         h,
         bh,
@@ -272,6 +293,7 @@ def _sparse_decode_kernel(
         D,
         D_PAD,
         DIRECT,
+        SINKS,
     )
 
 
@@ -281,6 +303,7 @@ def _merge_splits_kernel(
     lse_ptr,
     out_ptr,
     seq_ptr,
+    sink_ptr,
     num_q_heads,
     num_splits,
     stride_ob,
@@ -289,6 +312,7 @@ def _merge_splits_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)  # = b * Hq + hq = (b * Hkv + h) * G + g
     b = pid // num_q_heads
@@ -304,6 +328,8 @@ def _merge_splits_kernel(
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)
     total = tl.sum(w, 0)
+    if SINKS:  # the partials hold none: the sink's term, once
+        total += _sink_term(sink_ptr, hq, hq < num_q_heads, m)
     d = tl.arange(0, D_PAD)
     o = tl.load(
         o_ptr + idx[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0
@@ -341,13 +367,14 @@ def plan_splits(
     return cdiv(num_tiles, tiles_per_split), tiles_per_split
 
 
-def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d):
+def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d, sinks=None):
     batch, hq, _ = out.shape
     _merge_splits_kernel[(batch * hq,)](
         o_part,
         lse_part,
         out,
         seq_lens,
+        out if sinks is None else sinks,  # unused without sinks
         hq,
         num_splits,
         out.stride(0),
@@ -356,14 +383,18 @@ def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d):
         D=d,
         D_PAD=head_pad(d),
         S_PAD=max(2, next_pow2(num_splits)),
+        SINKS=sinks is not None,
         num_warps=4,
     )
 
 
-def _prepare(query, k_cache, v_cache, out):
+def _prepare(query, k_cache, v_cache, out, sinks=None):
     hkv, bs, d = check_kv_cache(k_cache, v_cache)
     batch, hq, dq = query.shape
     assert dq == d and hq % hkv == 0
+    if sinks is not None:
+        assert sinks.shape == (hq,), f"sinks must be [num_q_heads={hq}], got {tuple(sinks.shape)}"
+        sinks = sinks.float().contiguous()  # no copy for the usual fp32 vector
     if query.dtype != k_cache.dtype:
         query = query.to(k_cache.dtype)
     if query.stride(-1) != 1:
@@ -371,7 +402,7 @@ def _prepare(query, k_cache, v_cache, out):
     if out is None:  # zeros: padding rows (seq_len <= 0) are never written
         out = torch.zeros(batch, hq, d, device=query.device, dtype=query.dtype)
     assert out.shape == (batch, hq, d) and out.stride(-1) == 1
-    return query, out, hkv, bs, d, hq // hkv
+    return query, out, sinks, hkv, bs, d, hq // hkv
 
 
 def sparse_decode(
@@ -390,6 +421,7 @@ def sparse_decode(
     num_splits: int | None = None,
     tile_tokens: int = 64,
     extra_pages: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of query [B, Hq, d] over each KV head's selected pages.
 
@@ -400,8 +432,9 @@ def sparse_decode(
     k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary).
     Returns ``out`` [B, Hq, d] (allocated in the cache dtype if not given).
     tile_tokens: tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache).
+    sinks: optional [Hq] sink logits (fp32; ``algorithm.sinks``).
     """
-    query, out, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out)
+    query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks)
     if k_cache.dtype == torch.float32:
         tile_tokens = min(tile_tokens, FP32_TILE_TOKENS)
     batch = query.shape[0]
@@ -438,6 +471,7 @@ def sparse_decode(
         o_part,
         lse_part,
         out,
+        out if sinks is None else sinks,  # unused without sinks
         hkv,
         num_sel,
         splits,
@@ -459,8 +493,9 @@ def sparse_decode(
         PAGES_PER_TILE=pages_per_tile,
         UPCAST=dot_upcast(k_cache.dtype),
         DIRECT=direct,
+        SINKS=sinks is not None,
         **launch_options(k_cache.dtype),
     )
     if not direct:
-        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d)
+        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d, sinks)
     return out

@@ -20,6 +20,10 @@ key tiles gathered through ``block_row``:
    query, so pass 2 needs no causal mask and each column is owned by one
    program (deterministic, no atomics).
 
+Attention sinks (``sinks`` [Hq], ``algorithm.sinks``) join each row's
+log-sum-exp in the host merge between the passes (one more term of the
+row's denominator); the kernels are the same with and without them.
+
 The max-pool and the top-k stay in torch (``pool_scores``): they act on
 [Hkv, N] fp32, a negligible amount of data next to the keys.
 """
@@ -209,13 +213,15 @@ def window_scores(
     num_prompt_tokens: int,
     scale: float,
     chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Window attention mass of the prompt keys: [Hkv, N - w] fp32.
 
     q_win: [w, Hq, d] (queries of prompt positions N-w .. N-1, RoPE applied),
     k_cache: [num_blocks, Hkv, bs, d] key view (all strides arbitrary),
     block_row: the request's block table row
-    (int32/int64), N = num_prompt_tokens >= w.
+    (int32/int64), N = num_prompt_tokens >= w; sinks: optional [Hq] sink
+    logits (fp32).
     """
     hkv, bs, d = check_kv_cache(k_cache)
     w, hq, dq = q_win.shape
@@ -275,6 +281,12 @@ def window_scores(
     )
     m = part_m.amax(dim=1)  # every row sees key 0, so m is finite
     lse = m + torch.log2((part_l * torch.exp2(part_m - m[:, None])).sum(dim=1))
+    if sinks is not None:
+        # row i * G + g is query head h * G + g's; rows past num_rows unused
+        assert sinks.shape == (hq,), f"sinks must be [num_q_heads={hq}], got {tuple(sinks.shape)}"
+        row_sinks = sinks.to(dev, torch.float32).view(hkv, 1, group).expand(hkv, w, group)
+        rows = lse[:, :num_rows]
+        rows.copy_(torch.logaddexp2(rows, row_sinks.reshape(hkv, num_rows) * _LOG2E))
 
     num_cols = n - w
     out = torch.empty(hkv, num_cols, device=dev, dtype=torch.float32)
@@ -313,9 +325,10 @@ def pooled_window_scores(
     num_prompt_tokens: int,
     scale: float,
     kernel_size: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """window_scores followed by the stride-1 same-length 1-D max-pool."""
-    scores = window_scores(q_win, k_cache, block_row, num_prompt_tokens, scale)
+    scores = window_scores(q_win, k_cache, block_row, num_prompt_tokens, scale, sinks=sinks)
     return torch.nn.functional.max_pool1d(
         scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
     )[:, 0, :]

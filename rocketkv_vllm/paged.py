@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rocketkv_vllm.algorithm import hsa_select_pages, sparse_attention
+from rocketkv_vllm.algorithm import hsa_select_pages, softmax_with_sinks, sparse_attention
 from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
 from rocketkv_vllm.layout import kt_bounds, physical_slots
 from rocketkv_vllm.ops.pytorch import compact_kept_tokens, window_scores, write_kt_pages
@@ -64,9 +64,11 @@ def dense_attention(
     seq_len: int,
     scale: float,
     chunk: int = 512,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries [T, Hq, d] at q_positions over logical
-    slots [0, seq_len). Returns [T, Hq, d] in query.dtype."""
+    slots [0, seq_len); sinks: optional [Hq] fp32 sink logits
+    (``algorithm.sinks``). Returns [T, Hq, d] in query.dtype."""
     num_q_heads = query.shape[1]
     keys, values = gather_kv(
         k_cache, v_cache, block_row, torch.arange(seq_len, device=query.device)
@@ -79,9 +81,15 @@ def dense_attention(
     for start in range(0, query.shape[0], chunk):
         q = query[start : start + chunk].transpose(0, 1)  # [Hq, t, d]
         mask = key_pos[None, :] <= q_positions[start : start + chunk, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[None], scale=scale
-        )
+        if sinks is None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[None], scale=scale
+            )
+        else:  # SDPA has no sinks: the same attention in fp32, by hand
+            logits = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
+            logits = logits.masked_fill(~mask[None], float("-inf"))
+            probs = softmax_with_sinks(logits, sinks.view(-1, 1))
+            o = torch.matmul(probs, v.float()).to(query.dtype)
         out[start : start + chunk] = o.transpose(0, 1)
     return out
 
@@ -98,9 +106,12 @@ def snapkv_compress(
     kernel_size: int,
     page_size: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 1 on the paged cache of one request: choose, compact, build KT.
 
+    sinks: optional [Hq] fp32 sink logits of the layer (the window scores'
+    softmax, ``algorithm.sinks``).
     Returns the kept positions [Hkv, prompt_budget] (for tests and stats).
     With prompt_budget >= num_prompt_tokens every position is kept
     (tail_start is then num_compact: the view is the whole prompt) and only
@@ -115,7 +126,7 @@ def snapkv_compress(
         # scoring, no move; only the KT pages of the whole prompt.
         write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
         return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-    scores = window_scores(q_window, k_cache, block_row, n, scale)
+    scores = window_scores(q_window, k_cache, block_row, n, scale, sinks)
     kept = keep_positions_from_scores(
         scores, n, prompt_budget, kernel_size, protect_from=min(n - window, tail_start)
     )
@@ -140,13 +151,16 @@ def hsa_decode(
     page_size: int,
     scale: float,
     force_current_page: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one token at position seq_len - 1 (its K/V already stored):
     update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d].
 
     Page choice: the top max(topk // page_size, 1) pages by the token-count
     weighted page softmax (``algorithm.hsa_page_probs``); with
-    force_current_page the newest token's page is selected on top of them."""
+    force_current_page the newest token's page is selected on top of them.
+    sinks: optional [Hq] fp32 sink logits, in the exact attention's softmax
+    only (``algorithm.sinks``); the page choice does not see them."""
     d = k_cache.shape[-1]
     block_size = k_cache.shape[2]
     pos = seq_len - 1
@@ -179,7 +193,7 @@ def hsa_decode(
     in_view = slots < region_end.repeat_interleave(page_size)
     keys, values = gather_kv(k_cache, v_cache, block_row, slots.clamp_max(seq_len - 1))
     token_mask = selected.repeat_interleave(page_size, dim=1) & in_view[None, :]
-    return sparse_attention(query, keys, values, token_mask, scale).to(query.dtype)
+    return sparse_attention(query, keys, values, token_mask, scale, sinks).to(query.dtype)
 
 
 def hsa_decode_rows(
@@ -198,6 +212,7 @@ def hsa_decode_rows(
     max_pages: int | None = None,
     max_select: int | None = None,
     force_current_page: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged.hsa_decode`` row by row (host syncs; the oracle).
     max_pages / max_select are accepted for signature parity and ignored."""
@@ -220,5 +235,6 @@ def hsa_decode_rows(
             page_size,
             scale,
             force_current_page,
+            sinks,
         )
     return out

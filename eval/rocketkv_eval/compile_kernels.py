@@ -443,10 +443,16 @@ def launch_config(
     n_sel = min(max_select + 1, max_pages)
     sel = torch.zeros(batch, HKV, n_sel, dtype=torch.int32)
     new = torch.zeros(batch, HKV, d, dtype=t.dtype)
+    sinks = torch.zeros(HKV * GROUP, dtype=torch.float32)  # gpt-oss attention sinks
     bt, nc, ts, seq = r["block_table"], r["num_compact"], r["tail_start"], r["seq_lens"]
+    attend = (q, t.k, t.v, bt, sel, nc, ts, seq, r["topk"], ps, scale)
     calls = {
         # Stage 1 (backend.stages.Stage1 with ops.triton)
         "window_scores": lambda: ws.window_scores(q_win, t.k, block_row, PROMPT, scale),
+        # sinks join the host's merge of the row statistics: the same kernels
+        "window_scores_sinks": lambda: ws.window_scores(
+            q_win, t.k, block_row, PROMPT, scale, sinks=sinks
+        ),
         "compact_kept_tokens": lambda: cp.compact_kept_tokens(t.k, t.v, block_row, kept),
         "write_kt_pages": lambda: cp.write_kt_pages(t.k, t.kt, block_row, 0, KEPT, ps),
         # Stage 2 (ops.triton.hsa_decode)
@@ -458,11 +464,17 @@ def launch_config(
         "select_pages": lambda: hs.select_pages(
             probs, max_select, nc, ts, seq, r["topk"], ps, "auto", True
         ),
-        "sparse_decode": lambda: sd.sparse_decode(
-            q, t.k, t.v, bt, sel, nc, ts, seq, r["topk"], ps, scale, out=out, extra_pages=1
+        "sparse_decode": lambda: sd.sparse_decode(*attend, out=out, extra_pages=1),
+        # SINKS variants: the sink's term where the result is final (one
+        # split: the attention kernel, eager rows; several: the merge, graph)
+        "sparse_decode_sinks": lambda: sd.sparse_decode(
+            *attend, out=out, extra_pages=1, sinks=sinks
         ),
         # the dense baseline
         "dense_decode": lambda: dd.dense_decode(q, t.k, t.v, bt, seq, scale, max_seq, out=out),
+        "dense_decode_sinks": lambda: dd.dense_decode(
+            q, t.k, t.v, bt, seq, scale, max_seq, out=out, sinks=sinks
+        ),
     }
     errors = []
     with (
@@ -715,9 +727,9 @@ def parse_args(argv):
     p.add_argument(
         "--launchers",
         default=None,
-        help="comma list: only these launchers (window_scores, compact_kept_tokens, "
-        "write_kt_pages, kt_update, write_kv_and_kt, hsa_page_probs, "
-        "select_pages, sparse_decode, dense_decode)",
+        help="comma list: only these launchers (window_scores, window_scores_sinks, "
+        "compact_kept_tokens, write_kt_pages, kt_update, write_kv_and_kt, hsa_page_probs, "
+        "select_pages, sparse_decode, sparse_decode_sinks, dense_decode, dense_decode_sinks)",
     )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument(

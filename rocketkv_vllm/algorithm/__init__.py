@@ -5,6 +5,7 @@ No vLLM imports here: the functions see plain tensors, one request at a time.
 
 from rocketkv_vllm.algorithm import kt_fp8
 from rocketkv_vllm.algorithm.hsa import hsa_page_probs, hsa_select_pages, sparse_attention
+from rocketkv_vllm.algorithm.sinks import softmax_with_sinks
 from rocketkv_vllm.algorithm.snapkv import (
     pool_scores,
     snapkv_keep_positions,
@@ -17,6 +18,7 @@ __all__ = [
     "hsa_select_pages",
     "pool_scores",
     "snapkv_keep_positions",
+    "softmax_with_sinks",
     "sparse_attention",
     "window_attention_scores",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rocketkv_vllm.algorithm.sinks import softmax_with_sinks
+
 
 def hsa_page_probs(
     q: torch.Tensor,
@@ -91,11 +93,13 @@ def sparse_attention(
     values: torch.Tensor,
     token_mask: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of q over the tokens each KV head selected.
 
     q: [Hq, d]; keys / values: [T, Hkv, d]; token_mask: [Hkv, T] bool (every
-    head must keep at least one token). Returns [Hq, d] fp32.
+    head must keep at least one token); sinks: optional [Hq] fp32 sink logits
+    (``algorithm.sinks``). Returns [Hq, d] fp32.
     """
     num_q_heads, d = q.shape
     num_kv_heads = keys.shape[1]
@@ -103,6 +107,7 @@ def sparse_attention(
     qf = q.float().view(num_kv_heads, group, d)
     logits = torch.einsum("kgd,tkd->kgt", qf, keys.float()) * scale
     logits = logits.masked_fill(~token_mask[:, None, :], float("-inf"))
-    probs = logits.softmax(dim=-1)
+    sink = None if sinks is None else sinks.view(num_kv_heads, group)
+    probs = softmax_with_sinks(logits, sink)
     out = torch.einsum("kgt,tkd->kgd", probs, values.float())
     return out.reshape(num_q_heads, d)

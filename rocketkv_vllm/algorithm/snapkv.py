@@ -5,12 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rocketkv_vllm.algorithm.sinks import softmax_with_sinks
 
-def window_attention_scores(q_win: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+
+def window_attention_scores(
+    q_win: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention mass each prompt key gets from the observation window.
 
     q_win: [w, Hq, d], the queries of the last w prompt tokens.
     keys:  [N, Hkv, d], all prompt keys (RoPE applied), N >= w.
+    sinks: optional [Hq] fp32 sink logits (``algorithm.sinks``): each query
+    head's probabilities are the model's, the sink's share left out.
     Returns [Hkv, N - w] fp32: causal softmax(Q_win K^T * scale) per query
     head, summed over the window queries and the GQA group, window columns
     dropped.
@@ -27,7 +36,11 @@ def window_attention_scores(q_win: torch.Tensor, keys: torch.Tensor, scale: floa
     window = logits.view(num_kv_heads, group, w, n)[..., n - w :]
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu_(1)
     window.masked_fill_(future, float("-inf"))
-    probs = logits.softmax(dim=-1)
+    sink = None
+    if sinks is not None:  # row (g, i) of a KV head is query head g's
+        sink = sinks.float().view(num_kv_heads, group, 1).expand(-1, -1, w)
+        sink = sink.reshape(num_kv_heads, group * w)
+    probs = softmax_with_sinks(logits, sink)
     return probs.sum(dim=1)[:, : n - w]
 
 
@@ -45,6 +58,7 @@ def snapkv_keep_positions(
     prompt_budget: int,
     kernel_size: int,
     protect_from: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Positions each KV head keeps, sorted: [Hkv, prompt_budget] int64.
 
@@ -56,7 +70,7 @@ def snapkv_keep_positions(
     n = keys.shape[0]
     if protect_from is None:
         protect_from = n - q_win.shape[0]
-    scores = window_attention_scores(q_win, keys, scale)
+    scores = window_attention_scores(q_win, keys, scale, sinks)
     return keep_positions_from_scores(scores, n, prompt_budget, kernel_size, protect_from)
 
 

@@ -57,9 +57,12 @@ def hsa_decode(
     page_size: int,
     scale: float,
     force_current_page: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, d]; kv_cache the layer's [num_blocks, Hkv, bs, 2d] cache;
-    kt_cache ``layout.kt_cache_view``; [B] integer columns as in ``HsaRows``.
+    kt_cache ``layout.kt_cache_view``; [B] integer columns as in ``HsaRows``;
+    sinks: optional [Hq] sink logits (fp32, or any float dtype: converted),
+    in the exact attention's softmax only (``algorithm.sinks``).
     Updates the KT pages of each row's newest token; returns [B, Hq, d]."""
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
@@ -77,4 +80,5 @@ def hsa_decode(
         scale,
         force_current_page,
         LAYOUT_CODES[layout],
+        sinks,
     )

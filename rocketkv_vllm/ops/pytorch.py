@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rocketkv_vllm.algorithm import window_attention_scores
+from rocketkv_vllm.algorithm import softmax_with_sinks, window_attention_scores
 from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots
 
 # ---- Stage 1 steps (one prompt)
@@ -43,9 +43,12 @@ def prompt_keys(k_cache, block_row: torch.Tensor, n: int) -> torch.Tensor:
     return out[:, :, :n].permute(2, 0, 1)
 
 
-def window_scores(q_window, k_cache, block_row, n: int, scale: float) -> torch.Tensor:
-    """``algorithm.window_attention_scores`` of the request's prompt keys."""
-    return window_attention_scores(q_window, prompt_keys(k_cache, block_row, n), scale)
+def window_scores(
+    q_window, k_cache, block_row, n: int, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``algorithm.window_attention_scores`` of the request's prompt keys
+    (sinks: optional [Hq] fp32 sink logits)."""
+    return window_attention_scores(q_window, prompt_keys(k_cache, block_row, n), scale, sinks)
 
 
 def compact_kept_tokens(
@@ -236,8 +239,10 @@ def sparse_attention(
     valid: torch.Tensor,
     page_size: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact attention of each row's queries over its selected pages' tokens.
+    """Exact attention of each row's queries over its selected pages' tokens
+    (sinks: optional [Hq] fp32 sink logits, ``algorithm.sinks``).
     Returns [B, Hq, d] in fp32."""
     batch, num_q_heads, d = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -259,7 +264,8 @@ def sparse_attention(
     # Slots outside the view may hold anything (NaN too): zero them, as 0 * NaN
     # would poison the sum.
     values = values.float().masked_fill(~ok[..., None], 0.0)
-    out = torch.einsum("bkgt,bktd->bkgd", logits.softmax(-1), values)
+    sink = None if sinks is None else sinks.view(1, num_kv_heads, group)
+    out = torch.einsum("bkgt,bktd->bkgd", softmax_with_sinks(logits, sink), values)
     return out.reshape(batch, num_q_heads, d)
 
 
@@ -277,12 +283,15 @@ def hsa_decode(
     page_size: int,
     scale: float,
     force_current_page: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row: KT update, page choice, sparse
-    attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype."""
+    attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype. sinks:
+    optional [Hq] fp32 sink logits, in the sparse attention's softmax only
+    (the page choice ranks the keys' own mass)."""
     update_kt(k_cache, kt_cache, block_table, seq_lens, page_size)
     top, valid = select_pages(
         query, kt_cache, pages, topr, num_select, max_select, force_current_page
     )
-    out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale)
+    out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale, sinks)
     return out.to(query.dtype)

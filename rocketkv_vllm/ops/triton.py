@@ -62,6 +62,7 @@ def hsa_decode(
     out: torch.Tensor | None = None,
     update_kt: bool = True,
     select_impl: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row (its K/V already in the cache at
     slot seq_lens[b] - 1): KT update, page scoring, top-n pages, sparse
@@ -80,7 +81,9 @@ def hsa_decode(
     are padding: nothing is written for them (a given ``out`` keeps its
     values there; an allocated one holds 0).
     select_impl: "auto" / "triton" (the Triton select kernel) or "torch"
-    (torch.topk).
+    (torch.topk). sinks: optional [Hq] fp32 sink logits (``algorithm.sinks``),
+    in the sparse attention's softmax only (step 5 with one split, else step
+    6); the page scoring ranks the keys' own mass.
     """
     if update_kt:
         kt_update(k_cache, kt_cache, block_table, seq_lens, page_size)
@@ -121,4 +124,5 @@ def hsa_decode(
         scale,
         out=out,
         extra_pages=1 if force_current_page else 0,
+        sinks=sinks,
     )
