@@ -559,3 +559,62 @@ def test_without_sinks_nothing_changes():
             for s in (None, minus_inf.to(TRITON_DEVICE))
         ]
         assert torch.equal(outs[0], outs[1]), f"{splits} splits"
+
+
+# --------------------------------------------------------------------------
+# The backend's stages (``backend.stages``) hand the sinks to their ops
+
+
+@pytest.mark.parametrize("impl", ["pytorch", "cpu", "triton"])
+def test_the_backend_stage2_passes_the_sinks(impl):
+    """``Stage2.decode(..., sinks=)`` of the engine's Stage 2 for each
+    implementation gives what its ops give with those sinks."""
+    from rocketkv_vllm.backend.stages import CpuStage2, HsaRows, TorchStage2, TritonStage2
+    from rocketkv_vllm.config import RocketKVSettings
+
+    _skip_without_cpu_kernel(impl)
+    dtype = F32
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    c = Paged(dtype, _layout(impl, dtype), device=device, seed=5)
+    query = _query(len(SPECS), dtype, device=device)
+    sinks = _sinks("large").to(device)
+    num_select = torch.tensor([3, 2], dtype=torch.int32)
+    settings = RocketKVSettings(page_size=PS, block_size=BS, head_dim=D, force_current_page=False)
+    cls = {"pytorch": TorchStage2, "cpu": CpuStage2, "triton": TritonStage2}[impl]
+    stage2 = cls(settings, c.layout)
+    rows = HsaRows(
+        tokens=torch.arange(len(SPECS), device=device),
+        block_table=c.table,
+        num_compact=c.nc,
+        tail_start=c.ts,
+        seq_lens=c.seq,
+        topk=(num_select * PS).to(device),
+        topr=torch.full_like(c.seq, D),
+        num_select=num_select.to(device),
+        max_pages=max(c.num_pages(b) for b in range(len(SPECS))),
+        max_select=int(num_select.max()),
+    )
+    stage2.prepare(rows)
+    got = stage2.decode(query, c.kv, rows, SCALE, sinks=sinks).cpu()
+    plain = stage2.decode(query, c.kv, rows, SCALE).cpu()
+    want = _stage2(impl, c, query, sinks.cpu(), num_select).cpu()
+    assert torch.equal(got, want)
+    assert (got - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("impl", ["pytorch", "triton"])
+def test_the_backend_stage1_passes_the_sinks(impl):
+    """``Stage1.compress(..., sinks=)`` keeps by the sink-aware scores."""
+    from rocketkv_vllm.backend.stages import TorchStage1, TritonStage1
+
+    n, w, budget, kernel = 150, 8, 60, 7
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    c, q_win, keys = _window_case(F32, n=n, w=w, device=device)
+    sinks = _sinks("large")
+    scores = window_attention_scores(q_win.cpu(), keys.cpu(), SCALE, sinks)
+    want = keep_positions_from_scores(scores, n, budget, kernel, n - w)
+    stage1 = {"pytorch": TorchStage1, "triton": TritonStage1}[impl]()
+    got = stage1.compress(
+        c.k, c.v, c.kt, c.rows[0], q_win, n, budget, n, kernel, PS, SCALE, sinks=sinks.to(device)
+    )
+    assert torch.equal(got.cpu(), want)

@@ -127,12 +127,18 @@ def prepare_tiny_gemma3(
     return _save(model, tokenizer, out, {"name": name, "seed": seed})
 
 
-def prepare_tiny_gpt_oss(sliding_window: int = 64, seed: int = 0) -> str:
+def prepare_tiny_gpt_oss(
+    sliding_window: int = 64, full_layer_sink: float | None = None, seed: int = 0
+) -> str:
     """A tiny random-weight gpt-oss (bf16 experts, no quantization): 4
     layers alternating sliding-window and full attention, 4 query heads and
     2 KV heads of 64 channels, learned attention sinks spread around zero
-    (some heads' sinks dominate short contexts, some never matter)."""
-    name = f"tiny-gpt-oss-w{sliding_window}-s{seed}"
+    (some heads' sinks dominate short contexts, some never matter).
+    ``full_layer_sink``: every full-attention layer's sinks set to it (a
+    large one makes their attention output vanish, whichever tokens it
+    reads: an oracle for "the sinks are applied")."""
+    sink_tag = "" if full_layer_sink is None else f"-fs{full_layer_sink:g}"
+    name = f"tiny-gpt-oss-w{sliding_window}{sink_tag}-s{seed}"
     out = default_cache_dir().parent / name
     if (out / _DONE).is_file():
         return str(out)
@@ -177,6 +183,9 @@ def prepare_tiny_gpt_oss(sliding_window: int = 64, seed: int = 0) -> str:
         for param_name, param in model.named_parameters():
             if param_name.endswith("sinks"):
                 param.normal_(0.0, 3.0)
+                layer = int(param_name.split(".layers.")[1].split(".")[0])
+                if full_layer_sink is not None and config.layer_types[layer] == "full_attention":
+                    param.fill_(full_layer_sink)
             elif "norm" in param_name:
                 param.normal_(1.0, 0.2)
         model.lm_head.weight.normal_(0.0, 0.5)

@@ -67,6 +67,12 @@ class RocketKVBackend(AttentionBackend):
         return (KVCacheLayout.LBHNC,)
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        # gpt-oss's learned sinks: in the dense backend, Stage 1's window
+        # scores and Stage 2's exact attention (``algorithm.sinks``).
+        return True
+
+    @classmethod
     def supports_kv_connector(cls) -> bool:
         return False
 

@@ -86,7 +86,6 @@ class RocketKVImpl(AttentionImpl):
             "alibi_slopes": alibi_slopes is not None,
             "sliding_window": sliding_window is not None,
             "logits_soft_cap": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
             "KV sharing across layers": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
@@ -110,7 +109,11 @@ class RocketKVImpl(AttentionImpl):
         # KT pages (which no reader of the cache uses) are poisoned.
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.counters = worker_state(vllm_config).counters
-        choice = native_for_config(vllm_config)
+        # The model's sink logits (a parameter the weight loader fills after
+        # this); Stage 1 and 2 read them in fp32, converted once (``_sinks``).
+        self.sinks = sinks
+        self._sinks_fp32: torch.Tensor | None = None
+        choice = native_for_config(vllm_config, has_sink=sinks is not None)
         self.kv_layout = choice.kv_layout
         self.native = choice.backend.get_impl_cls()(
             num_heads,
@@ -123,6 +126,7 @@ class RocketKVImpl(AttentionImpl):
             logits_soft_cap,
             attn_type,
             kv_sharing_target_layer_name,
+            sinks=sinks,
         )
         self.stage2 = stage2_for(self.settings, self.kv_layout)
         self.stage1 = stage1_for(self.settings)
@@ -192,18 +196,29 @@ class RocketKVImpl(AttentionImpl):
                 s.kernel_size,
                 s.page_size,
                 self.scale,
+                sinks=self._sinks(),
             )
         if self.kept_log is not None:
             self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
         if self.poison_evicted_blocks:
             self._poison_evicted(kv_cache, r.block_row, plan)
 
+    def _sinks(self) -> torch.Tensor | None:
+        """The sink logits in fp32 (first converted in the warm-up runs that
+        precede any CUDA graph capture, so captures read a fixed tensor)."""
+        if self.sinks is not None and self._sinks_fp32 is None:
+            self._sinks_fp32 = self.sinks.detach().float().contiguous()
+        return self._sinks_fp32
+
     def _stage2(self, rows: HsaRows, query, out, kv_cache) -> None:
+        sinks = self._sinks()
         if rows.in_place:  # FULL-graph layout (Triton only): row b is token b
             batch = rows.tokens.shape[0]
-            self.stage2.decode(query[:batch], kv_cache, rows, self.scale, out=out[:batch])
+            self.stage2.decode(
+                query[:batch], kv_cache, rows, self.scale, out=out[:batch], sinks=sinks
+            )
             return
-        result = self.stage2.decode(query[rows.tokens], kv_cache, rows, self.scale)
+        result = self.stage2.decode(query[rows.tokens], kv_cache, rows, self.scale, sinks=sinks)
         out[rows.tokens] = result.to(out.dtype)
 
     def _poison_evicted(self, kv_cache, block_row, plan) -> None:

@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import (
 )
 
 from rocketkv_vllm.backend import graphs
-from rocketkv_vllm.backend.native import native_for_config
+from rocketkv_vllm.backend.native import native_for_config, native_for_layers
 from rocketkv_vllm.backend.stages import HsaRows, stage2_for, uses_triton
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
@@ -113,9 +113,13 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
 
         if not (uses_triton(settings_for(vllm_config)) and current_platform.is_cuda_alike()):
             return AttentionCGSupport.NEVER
-        native = native_for_config(vllm_config).backend.get_builder_cls()
+        # Asked before the layers are known: the lesser of both native choices.
+        natives = [native_for_config(vllm_config, sink).backend for sink in (False, True)]
         return min(
-            native.get_cudagraph_support(vllm_config, kv_cache_spec),
+            *(
+                n.get_builder_cls().get_cudagraph_support(vllm_config, kv_cache_spec)
+                for n in natives
+            ),
             AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
             key=lambda level: level.value,
         )
@@ -123,7 +127,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings = settings_for(vllm_config)
-        native = native_for_config(vllm_config)
+        native = native_for_layers(vllm_config, layer_names)
         self.native = native.backend.get_builder_cls()(
             kv_cache_spec, layer_names, vllm_config, device
         )

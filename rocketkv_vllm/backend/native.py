@@ -3,7 +3,8 @@ where that backend keeps K and V inside a block.
 
 CPU: CPU_ATTN, whose K/V placement depends on the ISA its kernels use (found
 by letting vLLM's own cache write store known values: ``cpu_kv_layout``).
-NVIDIA: FLASH_ATTN where it supports the model, else TRITON_ATTN.
+NVIDIA: FLASH_ATTN where it supports the model (with attention sinks: FA3
+only), else TRITON_ATTN.
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int)
 
 
 @functools.cache
-def native_backend(head_size: int, dtype: torch.dtype, block_size: int) -> NativeChoice:
-    """vLLM's own attention backend that ROCKETKV runs dense attention with."""
+def native_backend(
+    head_size: int, dtype: torch.dtype, block_size: int, has_sink: bool = False
+) -> NativeChoice:
+    """vLLM's own attention backend that ROCKETKV runs dense attention with
+    (for layers with attention sinks when ``has_sink``)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -86,6 +90,7 @@ def native_backend(head_size: int, dtype: torch.dtype, block_size: int) -> Nativ
             and FlashAttentionBackend.supports_dtype(dtype)
             and capability is not None
             and FlashAttentionBackend.supports_compute_capability(capability)
+            and (FlashAttentionBackend.supports_sink() or not has_sink)
         ):
             choice = NativeChoice(FlashAttentionBackend, "token")
         else:
@@ -100,8 +105,32 @@ def native_backend(head_size: int, dtype: torch.dtype, block_size: int) -> Nativ
     return choice
 
 
-def native_for_config(vllm_config) -> NativeChoice:
+def native_for_config(vllm_config, has_sink: bool = False) -> NativeChoice:
     model_config = vllm_config.model_config
     return native_backend(
-        model_config.get_head_size(), model_config.dtype, vllm_config.cache_config.block_size
+        model_config.get_head_size(),
+        model_config.dtype,
+        vllm_config.cache_config.block_size,
+        has_sink,
     )
+
+
+def native_for_layers(vllm_config, layer_names: list[str]) -> NativeChoice:
+    """The one native backend of a KV cache group's ROCKETKV layers (the
+    builder's): each layer's impl chose by whether it has sinks."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    choices = {
+        native_for_config(vllm_config, getattr(layer.impl, "sinks", None) is not None)
+        for layer in layers.values()
+    }
+    if len(choices) > 1:
+        raise NotImplementedError(
+            "ROCKETKV: this model's full-attention layers mix layers with and "
+            "without attention sinks, which need different dense backends here ("
+            + ", ".join(sorted(c.backend.get_name() for c in choices))
+            + "); use a GPU where FLASH_ATTN supports sinks (FA3, Hopper)"
+        )
+    return choices.pop() if choices else native_for_config(vllm_config)

@@ -51,9 +51,11 @@ class Stage1:
         kernel_size: int,
         page_size: int,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Choose, compact, build KT for one request (its oracle:
-        ``paged.snapkv_compress``, same arguments). Returns the kept
+        ``paged.snapkv_compress``, same arguments; sinks: the layer's [Hq]
+        fp32 sink logits, in the window scores' softmax). Returns the kept
         positions [Hkv, prompt_budget]; with prompt_budget >= the prompt
         every position is kept and only the KT pages are written. Ties among
         pooled scores may be broken differently by the Triton kernels than by
@@ -63,7 +65,7 @@ class Stage1:
         if prompt_budget >= n:  # rocketkv.evict=false: identity, KT pages only
             ops.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
             return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-        scores = ops.window_scores(q_window, k_cache, block_row, n, scale)
+        scores = ops.window_scores(q_window, k_cache, block_row, n, scale, sinks=sinks)
         kept = keep_positions_from_scores(
             scores,
             n,
@@ -159,9 +161,11 @@ class Stage2:
         rows: HsaRows,
         scale: float,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
-        layout) rows with seq_len 0 are left as they are."""
+        layout) rows with seq_len 0 are left as they are. sinks: the layer's
+        [Hq] fp32 sink logits (``algorithm.sinks``), or None."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):
@@ -187,23 +191,23 @@ class TritonStage2(Stage2):
     name = "Triton kernels"
     pow2_shapes = True
 
-    def decode(self, query, kv_cache, rows, scale, out=None):
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None):
         if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
-            return self._decode(query, kv_cache, rows, scale, out)
+            return self._decode(query, kv_cache, rows, scale, out, sinks)
         per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
         chunk = max(1, SCRATCH_BYTES // per_row)
         batch = query.shape[0]
         if batch <= chunk:
-            return self._decode(query, kv_cache, rows, scale, None)
+            return self._decode(query, kv_cache, rows, scale, None, sinks)
         parts = [
             self._decode(
-                query[a : a + chunk], kv_cache, _row_slice(rows, a, a + chunk), scale, None
+                query[a : a + chunk], kv_cache, _row_slice(rows, a, a + chunk), scale, None, sinks
             )
             for a in range(0, batch, chunk)
         ]
         return torch.cat(parts)
 
-    def _decode(self, query, kv_cache, rows, scale, out):
+    def _decode(self, query, kv_cache, rows, scale, out, sinks):
         from rocketkv_vllm.ops import triton as triton_ops
 
         s = self.settings
@@ -225,6 +229,7 @@ class TritonStage2(Stage2):
             rows.max_select,
             s.force_current_page,
             out=out,
+            sinks=sinks,
         )
 
     def reserve_scratch(
@@ -262,7 +267,7 @@ def _row_slice(rows: HsaRows, a: int, b: int) -> HsaRows:
 class CpuStage2(Stage2):
     name = "native CPU kernel"
 
-    def decode(self, query, kv_cache, rows, scale, out=None):
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None):
         from rocketkv_vllm.ops import cpu as cpu_ops
 
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
@@ -281,6 +286,7 @@ class CpuStage2(Stage2):
             s.page_size,
             scale,
             s.force_current_page,
+            sinks=sinks,
         )
 
 
@@ -299,7 +305,7 @@ class TorchStage2(Stage2):
             rows.max_pages,
         )
 
-    def decode(self, query, kv_cache, rows, scale, out=None):
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
@@ -317,6 +323,7 @@ class TorchStage2(Stage2):
             s.page_size,
             scale,
             s.force_current_page,
+            sinks=sinks,
         )
 
 
