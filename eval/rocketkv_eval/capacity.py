@@ -184,6 +184,13 @@ def main(argv=None) -> int:
         help="KV cache size in dense requests it holds (default 2.2)",
     )
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="prefill chunk (vLLM's; a sliding-window layer holds its window plus one chunk "
+        "while a prompt fills it: keep it small for hybrid models)",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--methods", default="dense,rocketkv")
     ap.add_argument(
@@ -235,6 +242,7 @@ def main(argv=None) -> int:
                 args.max_tokens,
                 args.block_size,
                 args.dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 engine_kw=caching,
             )
         else:
@@ -247,6 +255,7 @@ def main(argv=None) -> int:
                 args.max_tokens,
                 args.block_size,
                 args.dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 engine_kw=caching,
             )
             if not has_sliding_layers(model):  # held_blocks counts every group
