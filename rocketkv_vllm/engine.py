@@ -71,8 +71,8 @@ def configure_engine(vllm_config) -> None:
         )
     if getattr(cache_config, "kv_offloading_size", None) is not None:
         refusals.append(
-            "KV cache offloading (kv_offloading_size: offloaded "
-            "blocks would miss ROCKETKV's compaction and KT pages)"
+            "KV cache offloading (kv_offloading_size: the host tier does not "
+            "yet keep ROCKETKV's prefix-cache rules; dense backends support it)"
         )
     elif vllm_config.kv_transfer_config is not None:
         refusals.append(

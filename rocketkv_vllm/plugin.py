@@ -11,6 +11,8 @@ the ``vllm.general_plugins`` entry point; every step is idempotent.
 2. Every change ROCKETKV makes to vLLM is installed from one table
    (``vllm_patches``).
 3. ROCKETKV's KV cache spec is registered with its block manager.
+4. The host-tier connector (KV offloading on vLLM's CPU build) is registered
+   with vLLM's connector factory.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ def _register_backend() -> None:
 
 def register() -> None:
     from rocketkv_vllm import vllm_patches
+    from rocketkv_vllm.host_tier import register_connector
     from rocketkv_vllm.kv_cache import register_kv_cache_spec
 
     _register_backend()
     vllm_patches.install()
     register_kv_cache_spec()
+    register_connector()

@@ -7,7 +7,9 @@ budget. ROCKETKV therefore wraps a few vLLM methods. Each wrapper:
 - calls the original and adds only what ROCKETKV needs, delegating the work
   to the module named in the entry (``engine``, ``state``, ``kv_cache``,
   ``metrics``, ``backend.graphs``);
-- passes everything through untouched for engines with another backend;
+- passes everything through untouched for engines with another backend
+  (one exception, for every engine on vLLM's CPU build: ``--kv-offloading-size``
+  selects the host-tier connector, ``host_tier``);
 - is installed once per process by ``install()`` (from ``plugin.register``),
   after checking the wrapped method's parameters against the ones it was
   written for. A mismatch (another vLLM version) installs nothing for that
@@ -286,7 +288,27 @@ def _get_kv_cache_spec(original):
 _V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
+
+def _post_init_kv_transfer_config(original):
+    def _post_init_kv_transfer_config(self) -> None:
+        original(self)
+        from rocketkv_vllm.host_tier import select_host_tier_connector
+
+        select_host_tier_connector(self)
+
+    return _post_init_kv_transfer_config
+
+
 PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.config.vllm",
+        "VllmConfig",
+        "_post_init_kv_transfer_config",
+        ("self",),
+        _post_init_kv_transfer_config,
+        "--kv-offloading-size on vLLM's CPU build gets the host-tier connector "
+        "(vLLM's offloading workers run only on CUDA/XPU)",
+    ),
     Patch(
         "vllm.platforms",
         "<platform>",

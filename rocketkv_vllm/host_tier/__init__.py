@@ -1,0 +1,43 @@
+"""A host-memory tier for the KV cache (vLLM's KV offloading) on vLLM's CPU build.
+
+vLLM's offloading workers copy with CUDA streams and run only on CUDA/XPU.
+On the CPU build the KV cache already lives in host memory, so the second
+tier is a plain buffer and a transfer is a synchronous block copy
+(``cpu_worker.HostCopyWorker``). ``connector.HostTierConnector`` is vLLM's
+``SimpleCPUOffloadConnector`` (eager stores, prefix-cache hashes, LRU host
+pool) with that worker on CPU; ``--kv-offloading-size`` selects it there.
+"""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "RocketKVHostTierConnector"
+
+
+def register_connector() -> None:
+    """Make ``kv_connector: RocketKVHostTierConnector`` resolve (every process;
+    vLLM imports the module only when an engine uses it)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, "rocketkv_vllm.host_tier.connector", "HostTierConnector"
+        )
+
+
+def select_host_tier_connector(vllm_config) -> None:
+    """``--kv-offloading-size`` with the native backend names one of vLLM's
+    offloading connectors, whose workers run only on CUDA/XPU; on vLLM's CPU
+    build the same flags get the host-tier connector (every backend: dense
+    engines too)."""
+    from vllm.platforms import current_platform
+
+    cache = vllm_config.cache_config
+    transfer = vllm_config.kv_transfer_config
+    if (
+        cache.kv_offloading_size is not None
+        and cache.kv_offloading_backend == "native"
+        and transfer is not None
+        and transfer.kv_connector in ("OffloadingConnector", "SimpleCPUOffloadConnector")
+        and current_platform.is_cpu()
+    ):
+        transfer.kv_connector = CONNECTOR_NAME
