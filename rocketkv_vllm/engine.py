@@ -69,16 +69,9 @@ def configure_engine(vllm_config) -> None:
             "speculative decoding (drafts would be verified "
             "against a KV cache that eviction already changed)"
         )
-    if getattr(cache_config, "kv_offloading_size", None) is not None:
-        refusals.append(
-            "KV cache offloading (kv_offloading_size: the host tier does not "
-            "yet keep ROCKETKV's prefix-cache rules; dense backends support it)"
-        )
-    elif vllm_config.kv_transfer_config is not None:
-        refusals.append(
-            "KV connectors / disaggregated prefill (a transferred "
-            "cache would miss ROCKETKV's compaction and KT pages)"
-        )
+    from rocketkv_vllm.host_tier import rocketkv_refusals
+
+    refusals += rocketkv_refusals(vllm_config)
     refusals += unsupported_model_reasons(model_config)
     if cache_config.cache_dtype not in ("auto", None):
         refusals.append(f"kv_cache_dtype={cache_config.cache_dtype} (use auto)")

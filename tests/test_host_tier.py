@@ -157,3 +157,112 @@ def test_evicted_document_comes_back_from_the_host(model_path):
         assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == device_blocks
     finally:
         shutdown(llm)
+
+
+# -- ROCKETKV with the host tier ----------------------------------------------
+
+ROCKETKV = {"prompt_budget": 256}  # window_size 32: hits stop 32+ tokens before the end
+POISON = {"poison_evicted_blocks": True}
+
+
+def _documents():
+    rng = random.Random(11)
+    return [[rng.randrange(100, 40000) for _ in range(2000)] + [5, 6, 7] for _ in range(4)]
+
+
+def _asks(docs):
+    return {
+        "same-prompt": docs[0],  # the host holds more of it than the window cap allows
+        "follow-up": docs[1] + [30001] * 40 + [8, 9, 10],
+    }
+
+
+def _rocketkv_run(model_path, host: bool) -> dict:
+    """Four compressed documents through a device pool that holds one dense
+    prefill, then two later requests on the first two documents.
+    Given-back blocks poisoned; ``host=False``: prefix caching off."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_eval.engines import scheduler
+
+    kw = dict(kv_offloading_size=1.0) if host else dict(enable_prefix_caching=False)
+    llm = make_llm(
+        model_path,
+        "ROCKETKV",
+        rocketkv=ROCKETKV,
+        testing=POISON,
+        max_model_len=2100,
+        block_size=BLOCK,
+        kv_cache_memory_bytes=BYTES_PER_TOKEN * 3200,
+        max_num_batched_tokens=1024,
+        disable_log_stats=False,
+        **kw,
+    )
+    try:
+        sched = scheduler(llm)
+        pool = sched.kv_cache_manager.block_pool
+        free_at_start = pool.get_num_free_blocks()
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+        docs = _documents()
+        prompts = {f"doc-{i}": d for i, d in enumerate(docs)} | _asks(docs)
+        outs = {}
+        for name, tokens in prompts.items():  # one at a time: a fixed order of evictions
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+            outs[name] = out
+        cached = {
+            m.labels["source"]: m.value
+            for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_cached_by_source"
+        }
+        host_pool = sched.connector.scheduler_manager.cpu_block_pool if host else None
+        return {
+            "prompts": prompts,
+            "outs": outs,
+            "cached": cached,
+            "device_blocks": free_at_start,
+            "device_free_at_end": pool.get_num_free_blocks(),
+            "host_in_use": None if host_pool is None else sum(b.ref_cnt for b in host_pool.blocks),
+        }
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def rocketkv_runs(model_path):
+    return {"host": _rocketkv_run(model_path, True), "off": _rocketkv_run(model_path, False)}
+
+
+@pytest.mark.engine
+def test_rocketkv_later_requests_are_served_from_the_host(rocketkv_runs):
+    run = rocketkv_runs["host"]
+    assert run["device_blocks"] * BLOCK < 2 * 2003  # the documents cannot stay on the device
+    outs, prompts = run["outs"], run["prompts"]
+    assert all(outs[f"doc-{i}"].num_cached_tokens == 0 for i in range(4))
+    for name in _asks(_documents()):
+        # Everything but the prompt's last window_size (32) tokens, in whole blocks.
+        cap = (len(prompts[name]) - 32) // BLOCK * BLOCK
+        assert outs[name].num_cached_tokens == cap, name
+    # The identical prompt: the host holds 62 blocks of it, the cap takes 61.
+    assert outs["same-prompt"].num_cached_tokens == 61 * BLOCK
+    asked = sum(outs[n].num_cached_tokens for n in _asks(_documents()))
+    assert run["cached"]["host"] == asked and run["cached"]["device"] == 0
+
+
+@pytest.mark.engine
+def test_rocketkv_with_the_host_tier_equals_caching_off(rocketkv_runs):
+    """Host-loaded targets are compacted like computed ones, host-loaded
+    middle blocks re-scored by Stage 1: the same tokens and logprobs."""
+    on, off = rocketkv_runs["host"]["outs"], rocketkv_runs["off"]["outs"]
+    for name, want in off.items():
+        got = on[name].outputs[0]
+        assert got.token_ids == want.outputs[0].token_ids, name
+        for w, g, tok in zip(want.outputs[0].logprobs, got.logprobs, got.token_ids):
+            assert abs(w[tok].logprob - g[tok].logprob) < 1e-4, name
+
+
+@pytest.mark.engine
+def test_rocketkv_host_tier_leaks_nothing(rocketkv_runs):
+    run = rocketkv_runs["host"]
+    assert run["device_free_at_end"] == run["device_blocks"]
+    assert run["host_in_use"] == 0

@@ -127,11 +127,33 @@ def test_requests_rocketkv_cannot_serve_are_refused_per_request(model_path):
     assert request.prompt_token_ids == prompt["prompt_token_ids"]
 
 
-def test_kv_offloading_is_refused_at_startup(model_path):
+def test_kv_offloading_is_served_by_the_host_tier_only(model_path):
+    """ROCKETKV takes vLLM's offloading flag on CPU (its host-tier
+    connector) and refuses, naming the setting, what would bypass its
+    prefix-cache rules."""
+    from rocketkv_vllm.host_tier import CONNECTOR_NAME
+
     register()
-    with pytest.raises(Exception) as err:
-        _engine_config(model_path, kv_offloading_size=1.0)
-    assert "ROCKETKV" in str(err.value) and "offloading" in str(err.value)
+    config = _engine_config(model_path, kv_offloading_size=1.0)
+    assert config.kv_transfer_config.kv_connector == CONNECTOR_NAME
+
+    def refused(**kw) -> str:
+        with pytest.raises(Exception) as err:
+            _engine_config(model_path, **kw)
+        assert "ROCKETKV" in str(err.value)
+        return str(err.value)
+
+    assert "lmcache" in refused(kv_offloading_size=1.0, kv_offloading_backend="lmcache")
+    assert "prefix caching" in refused(kv_offloading_size=1.0, enable_prefix_caching=False)
+    for connector in ("OffloadingConnector", "SimpleCPUOffloadConnector", "NixlConnector"):
+        transfer = {"kv_connector": connector, "kv_role": "kv_both"}
+        assert connector in refused(kv_transfer_config=transfer)
+    lazy = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lazy_offload": True},
+    }
+    assert "lazy_offload" in refused(kv_transfer_config=lazy)
 
 
 def _config_only_model(tmp_path, config) -> str:

@@ -8,11 +8,15 @@ finished. One in-process engine per method, the same KV cache size for all:
 
 - ``dense``: vLLM's own backend for the platform, prefix caching on;
 - ``rocketkv``: ROCKETKV (``--rocketkv`` settings), prefix caching on;
-- ``rocketkv-nocache``: ROCKETKV, prefix caching off.
+- ``rocketkv-nocache``: ROCKETKV, prefix caching off;
+- ``dense+host``, ``rocketkv+host`` (with ``--host-gib``): the same with a host
+  tier of that size (vLLM's ``kv_offloading_size``): prefix-cache blocks the
+  KV cache evicts are loaded back from host memory.
 
 Per method and turn: TTFT p50 / p90 (vLLM's engine timestamps, queued to
 first token), wall time of the turn (first submission to last finish), the
-share of prompt tokens served from the prefix cache, KV blocks held per
+share of prompt tokens served from the prefix cache (and, per method, the
+cached tokens that came from the device and from the host), KV blocks held per
 request after its prefill, answers right; per method: wall time, peak
 requests running at once, preemptions, and the pool's blocks beside the
 time-weighted mean of its free ones (the most the prefix cache can hold
@@ -43,6 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from rocketkv_eval.model import MODEL_HELP  # noqa: E402
 
 METHODS = ("dense", "rocketkv", "rocketkv-nocache")
+HOST_METHODS = ("dense+host", "rocketkv+host")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,7 +73,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="let a turn end at EOS (the methods' work then differs)",
     )
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, of {', '.join(METHODS + HOST_METHODS)} (default: the first three)",
+    )
+    ap.add_argument(
+        "--host-gib",
+        type=float,
+        default=None,
+        help="host tier size for the +host methods (GiB of host memory, vLLM's "
+        "--kv-offloading-size)",
+    )
     ap.add_argument("--rocketkv", default='{"token_budget": 256}', help="ROCKETKV settings (JSON)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -159,6 +175,7 @@ def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes
     from rocketkv_eval.multiturn import run_conversations
 
     rocketkv = method.startswith("rocketkv")
+    host = method.endswith("+host")
     kw = dict(
         model=model,
         dtype=args.dtype,
@@ -174,6 +191,8 @@ def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes
         kw.setdefault("kv_cache_memory_bytes", 1 << 30)
     if kv_bytes:
         kw["kv_cache_memory_bytes"] = kv_bytes
+    if host:
+        kw["kv_offloading_size"] = args.host_gib
     if rocketkv:
         kw["attention_backend"] = "ROCKETKV"
         kw["additional_config"] = {"rocketkv": json.loads(args.rocketkv)}
@@ -195,9 +214,17 @@ def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes
             progress,
             request_kwargs=fixed,
         )
+        by_source = {
+            m.labels["source"]: int(m.value)
+            for m in llm.get_metrics()
+            if m.name == "vllm:prompt_tokens_cached_by_source"
+        }
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return summarize(result, args.turns)
+    summary = summarize(result, args.turns)
+    summary["cached_tokens_device"] = by_source.get("device", 0)
+    summary["cached_tokens_host"] = by_source.get("host", 0)
+    return summary
 
 
 def main(argv=None) -> int:
@@ -227,6 +254,11 @@ def main(argv=None) -> int:
             model, args.fit_dense_conversations * statistics.mean(last), args.dtype
         )
     methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS + HOST_METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; allowed: {METHODS + HOST_METHODS}")
+    if any(m in HOST_METHODS for m in methods) and not args.host_gib:
+        raise SystemExit("--methods with +host needs --host-gib (host tier size, GiB)")
     results = {}
     with tqdm(
         total=len(methods) * len(conversations) * args.turns, unit="turn", file=sys.stderr
@@ -274,7 +306,8 @@ def main(argv=None) -> int:
 def table(results: dict) -> str:
     lines = [
         f"{'method':18} {'wall s':>7} {'later s':>8} {'cached':>7} {'peak':>5} "
-        f"{'preempt':>8} {'free/pool':>10} {'right':>6}  per turn: wall s / TTFT p50 s / cached"
+        f"{'preempt':>8} {'free/pool':>10} {'right':>6} {'dev/host cached':>16}  "
+        "per turn: wall s / TTFT p50 s / cached"
     ]
     for method, r in results.items():
         turns = "  ".join(
@@ -285,6 +318,7 @@ def table(results: dict) -> str:
             f"{method:18} {r['wall_s']:>7} {r['later_turns_wall_s']:>8} "
             f"{(f'{share:.0%}' if share is not None else '-'):>7} {r['peak_running']:>5} "
             f"{r['preemptions']:>8} {r['free_blocks_mean']:>5.0f}/{r['pool_blocks']:<4} "
-            f"{r['correct']:>3}/{r['finished']:<3} {turns}"
+            f"{r['correct']:>3}/{r['finished']:<3} "
+            f"{r['cached_tokens_device']:>8}/{r['cached_tokens_host']:<7} {turns}"
         )
     return "\n".join(lines)

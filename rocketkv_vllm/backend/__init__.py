@@ -74,7 +74,9 @@ class RocketKVBackend(AttentionBackend):
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
-        return False
+        # The host tier only (``host_tier.rocketkv_refusals`` refuses any
+        # other connector at startup, naming it).
+        return True
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:

@@ -41,3 +41,38 @@ def select_host_tier_connector(vllm_config) -> None:
         and current_platform.is_cpu()
     ):
         transfer.kv_connector = CONNECTOR_NAME
+
+
+def rocketkv_refusals(vllm_config) -> list[str]:
+    """What a ROCKETKV engine cannot run of the KV offloading / connector
+    settings, each named ([] when the host tier can serve it)."""
+    from vllm.platforms import current_platform
+
+    cache, transfer = vllm_config.cache_config, vllm_config.kv_transfer_config
+    wants_flag = cache.kv_offloading_size is not None
+    if not wants_flag and transfer is None:
+        return []
+    if not wants_flag and transfer.kv_connector != CONNECTOR_NAME:
+        return [
+            f"KV connector {transfer.kv_connector} (a transferred cache would miss "
+            f"ROCKETKV's compaction rules; the host tier is kv_offloading_size or "
+            f"kv_connector {CONNECTOR_NAME})"
+        ]
+    reasons = []
+    if wants_flag and cache.kv_offloading_backend != "native":
+        reasons.append(f"kv_offloading_backend={cache.kv_offloading_backend} (use native)")
+    extra = {} if transfer is None else (transfer.kv_connector_extra_config or {})
+    if extra.get("lazy_offload"):
+        reasons.append("lazy_offload=true in the host tier (eager stores only)")
+    if extra.get("kv_offload_backend", "cpu") != "cpu":
+        reasons.append(f"kv_offload_backend={extra['kv_offload_backend']} (use cpu)")
+    if not cache.enable_prefix_caching:
+        reasons.append(
+            "KV cache offloading without prefix caching (the host tier is a prefix cache)"
+        )
+    if not current_platform.is_cpu():
+        reasons.append(
+            "KV cache offloading outside vLLM's CPU build for now (on NVIDIA a store "
+            "of a compaction target could overlap the next step's compaction)"
+        )
+    return reasons

@@ -1,0 +1,128 @@
+"""Scheduler half of the host tier with ROCKETKV's prefix-cache rules.
+
+vLLM's eager host tier stores every *hashed* block of a running request's
+block table after the forward that computed it, and loads a host hit into
+the request's new blocks. ROCKETKV hashes only dense prompt blocks and
+never writes a hashed block again, so what vLLM stores is already dense
+K/V of its token prefix. Two rules are added:
+
+- a host hit stops where the local one must: a compressed prompt's last
+  ``window_size`` tokens are computed (Stage 1 needs their queries);
+- compaction targets, which the device never hashes (Stage 1 compacts the
+  kept tokens into them), are stored under their dense hashes from the step
+  whose forward completes them: that step is never the Stage 1 step
+  (``RocketKVManager.chunk_tokens``), and copies on vLLM's CPU build finish
+  inside the step. So a compressed conversation's host chain starts at
+  block 0, and a later turn can be served from the host after the device
+  has evicted everything.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler, TransferMeta
+
+from rocketkv_vllm.kv_cache import RocketKVManager
+
+
+class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
+    """vLLM's ``SimpleCPUOffloadScheduler`` plus the two rules above; inert
+    (vLLM's behaviour) without a ROCKETKV block manager."""
+
+    rocketkv: RocketKVManager | None = None
+
+    @classmethod
+    def adopt(cls, manager: SimpleCPUOffloadScheduler) -> RocketKVHostScheduler:
+        """Turn the scheduler vLLM's connector built into this class (its
+        constructor derives the host pool; building it twice would not)."""
+        manager.__class__ = cls
+        manager._target_hashes = {}  # device block id -> the hash it is stored under
+        return manager
+
+    def bind_rocketkv(self, rocketkv: RocketKVManager | None) -> None:
+        self.rocketkv = rocketkv
+
+    # -- hits ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        found, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if not found or self.rocketkv is None:
+            return found, is_async
+        plan = self.rocketkv.plan_of_request(request)
+        if not plan.compress:
+            return found, is_async
+        cap = plan.window_hit_cap(self.rocketkv.settings.window_size, self.rocketkv.block_size)
+        allowed = max(0, cap - num_computed_tokens)
+        if found <= allowed:
+            return found, is_async
+        self.rocketkv.prefix_account.tokens_recomputed += found - allowed
+        if allowed == 0:
+            self._free_pending_cpu_hit(self._pending_cpu_hits.pop(request.request_id))
+            return 0, False
+        return allowed, is_async
+
+    # -- stores -------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output):
+        if self.rocketkv is not None:
+            self._queue_target_stores(scheduler_output)
+        return super().build_connector_meta(scheduler_output)
+
+    def _queue_target_stores(self, scheduler_output) -> None:
+        mgr = self.rocketkv
+        bs, gid = mgr.block_size, mgr.kv_cache_group_id
+        gpu_pool, host_pool = self._gpu_block_pool, self.cpu_block_pool
+        queued = set(self._target_hashes.values())
+        gpu_ids: list[int] = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            state = self._reqs_to_store.get(req_id)
+            if state is None or state.finished:
+                continue
+            request = state.request
+            plan = mgr.plan_of_request(request)
+            end = plan.compact_blocks(bs) * bs if plan.compress else 0
+            before = request.num_computed_tokens  # not yet advanced for this step
+            if not before < end <= before + num_new:
+                continue  # the targets are not completed by this step
+            hashes = resolve_block_hashes(request.block_hashes, mgr.block_pool.hash_block_size, bs)
+            blocks = mgr.req_to_blocks.get(req_id, [])
+            for j in range(min(end // bs, len(hashes), len(blocks))):
+                key = make_block_hash_with_group_id(hashes[j], gid)
+                if (
+                    blocks[j].is_null
+                    or key in queued
+                    or host_pool.get_cached_block(hashes[j], [gid])
+                ):
+                    continue
+                if host_pool.get_num_free_blocks() <= len(gpu_ids):
+                    break  # host full: the chain is cut here
+                queued.add(key)
+                gpu_ids.append(blocks[j].block_id)
+                self._target_hashes[blocks[j].block_id] = key
+        if not gpu_ids:
+            return
+        cpu_ids = [b.block_id for b in host_pool.get_new_blocks(len(gpu_ids))]
+        gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])  # kept until copied
+        meta = [{} for _ in gpu_ids] if self.enable_kv_cache_events else None
+        self._pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids, meta))
+
+    def _process_store_completion(self, gpu_block_ids, cpu_block_ids, block_meta=None) -> None:
+        keep = [i for i, g in enumerate(gpu_block_ids) if g not in self._target_hashes]
+        for i, gpu_id in enumerate(gpu_block_ids):
+            key = self._target_hashes.pop(gpu_id, None)
+            if key is None:
+                continue
+            host_block = self.cpu_block_pool.blocks[cpu_block_ids[i]]
+            self.cpu_block_pool._insert_block_hash(key, host_block, num_tokens=None)
+            self.cpu_block_pool.free_blocks([host_block])
+            self._gpu_block_pool.free_blocks([self._gpu_block_pool.blocks[gpu_id]])
+        super()._process_store_completion(
+            [gpu_block_ids[i] for i in keep],
+            [cpu_block_ids[i] for i in keep],
+            None if block_meta is None else [block_meta[i] for i in keep],
+        )
+
+    def _release_transfer_refs(self, transfer: TransferMeta) -> None:
+        for gpu_id in transfer.gpu_block_ids:
+            self._target_hashes.pop(gpu_id, None)
+        super()._release_transfer_refs(transfer)
