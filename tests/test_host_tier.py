@@ -101,7 +101,7 @@ BLOCK = 32
 
 @pytest.mark.engine
 def test_evicted_document_comes_back_from_the_host(model_path):
-    """Five 2,000-token documents pass through a device pool of ~6k tokens,
+    """Three 2,000-token documents pass through a device pool of ~3k tokens,
     so the first one's blocks are evicted and reused by the others (their
     K/V overwrites them). Asking the first document again is served from the
     host: its prefix is loaded into freshly allocated, stale blocks, and any
@@ -112,13 +112,13 @@ def test_evicted_document_comes_back_from_the_host(model_path):
     from rocketkv_vllm.host_tier.connector import HostTierConnector
 
     rng = random.Random(7)
-    docs = [[rng.randrange(100, 40000) for _ in range(2000)] + [5, 6, 7] for _ in range(5)]
+    docs = [[rng.randrange(100, 40000) for _ in range(2000)] + [5, 6, 7] for _ in range(3)]
     llm = make_llm(
         model_path,
         "CPU_ATTN",
-        max_model_len=4096,
+        max_model_len=2100,
         block_size=BLOCK,
-        kv_cache_memory_bytes=BYTES_PER_TOKEN * 6400,
+        kv_cache_memory_bytes=BYTES_PER_TOKEN * 3200,
         max_num_batched_tokens=1024,
         kv_offloading_size=0.5,
         disable_log_stats=False,
