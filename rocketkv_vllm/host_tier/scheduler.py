@@ -48,14 +48,11 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         found, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not found or self.rocketkv is None:
             return found, is_async
-        plan = self.rocketkv.plan_of_request(request)
-        if not plan.compress:
-            return found, is_async
-        cap = plan.window_hit_cap(self.rocketkv.settings.window_size, self.rocketkv.block_size)
-        allowed = max(0, cap - num_computed_tokens)
+        # The device hit's cap (and its account), applied to local + host.
+        capped = self.rocketkv.capped_hit(request, num_computed_tokens + found, [])
+        allowed = max(0, capped - num_computed_tokens)
         if found <= allowed:
             return found, is_async
-        self.rocketkv.prefix_account.tokens_recomputed += found - allowed
         if allowed == 0:
             self._free_pending_cpu_hit(self._pending_cpu_hits.pop(request.request_id))
             return 0, False
