@@ -98,6 +98,14 @@ class PrefixCacheAccount:
     private_copies: int = 0  # hit blocks copied to compact into (admission)
     blocks_preserved: int = 0  # compaction targets copied into the cache (Stage 1 step)
     blocks_not_preserved: int = 0  # ... not: no free block, or written in that step
+    # The host tier (``host_tier.scheduler``), when the engine has one:
+    host_tokens_recomputed: int = 0  # prompt tokens the host held, recomputed (window)
+    host_blocks_stored: int = 0  # blocks copied to the host, targets included
+    host_bytes_stored: int = 0
+    host_target_blocks_stored: int = 0  # compaction targets stored before Stage 1
+    host_target_blocks_dropped: int = 0  # ... not stored: the host pool was full
+    host_blocks_loaded: int = 0  # host hits copied into device blocks
+    host_bytes_loaded: int = 0
 
     def publish(self, path: Path) -> None:
         """Write the account to ``path`` if it changed since the last write."""
@@ -206,9 +214,10 @@ class RocketKVManager(FullAttentionManager):
 
     # -- prefix caching ---------------------------------------------------------
 
-    def capped_hit(self, request, num_hit_tokens: int, hit_blocks) -> int:
+    def capped_hit(self, request, num_hit_tokens: int, hit_blocks, record: bool = True) -> int:
         """``num_hit_tokens`` within a compressed request's window cap
-        (``RequestPlan.window_hit_cap``); what the cap costs is counted. A
+        (``RequestPlan.window_hit_cap``); what the cap costs is counted
+        (``record``) as device-cache tokens recomputed. A
         compaction target the request would copy (at admission) from a block
         that this very step writes is not taken from the cache: the copy
         runs before the step's forward."""
@@ -223,7 +232,8 @@ class RocketKVManager(FullAttentionManager):
                 return min(num_hit_tokens, j * bs)
         if num_hit_tokens <= cap:
             return num_hit_tokens
-        self.prefix_account.tokens_recomputed += num_hit_tokens - cap
+        if record:
+            self.prefix_account.tokens_recomputed += num_hit_tokens - cap
         return cap
 
     def publish_account(self, engine_index: int) -> None:

@@ -60,6 +60,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from rocketkv_vllm.config import RocketKVSettings, settings_for
 from rocketkv_vllm.engine import is_rocketkv_engine
+from rocketkv_vllm.host_tier import has_host_tier
 from rocketkv_vllm.kv_cache import account_path, remove_account
 from rocketkv_vllm.plan import PlanCache, RequestPlan, view_pages
 from rocketkv_vllm.requests import planned_budget
@@ -70,6 +71,42 @@ logger = init_logger(f"vllm.{__name__}")
 METRIC_PREFIX = "rocketkv:"
 KEPT_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ATTENDED_BUCKETS = tuple(float(1 << i) for i in range(4, 18))  # 16 .. 131072
+
+# The scheduler's account (``kv_cache.PrefixCacheAccount``) field behind
+# each counter: (name, documentation).
+ACCOUNT_COUNTERS = {
+    "tokens_recomputed": (
+        "rocketkv:prefix_tokens_recomputed",
+        "Prompt tokens vLLM's prefix cache held that ROCKETKV recomputed: a "
+        "compressed prompt's last window_size tokens, whose queries Stage 1 "
+        "needs (beside vllm:prefix_cache_hits).",
+    ),
+    "host_tokens_recomputed": (
+        "rocketkv:host_tokens_recomputed",
+        "Prompt tokens the host tier held that ROCKETKV recomputed (the window "
+        "of a compressed prompt).",
+    ),
+    "host_blocks_stored": (
+        "rocketkv:host_blocks_stored",
+        "KV blocks copied to the host tier, compaction targets included.",
+    ),
+    "host_bytes_stored": ("rocketkv:host_bytes_stored", "Bytes copied to the host tier."),
+    "host_target_blocks_stored": (
+        "rocketkv:host_target_blocks_stored",
+        "Compaction targets stored on the host under their dense hashes "
+        "before Stage 1 compacted them.",
+    ),
+    "host_target_blocks_dropped": (
+        "rocketkv:host_target_blocks_dropped",
+        "Compaction targets not stored because the host pool was full (the "
+        "host chain of that prompt stops there).",
+    ),
+    "host_blocks_loaded": (
+        "rocketkv:host_blocks_loaded",
+        "KV blocks loaded from the host tier into device blocks (host hits).",
+    ),
+    "host_bytes_loaded": ("rocketkv:host_bytes_loaded", "Bytes loaded from the host tier."),
+}
 
 # Attribute of vLLM's IterationStats where the output hook leaves what each
 # request output of the iteration was (see record_output).
@@ -238,21 +275,21 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
                 labelnames=labelnames,
             )
         )
-        self.recomputed = per_engine(
-            Counter(
-                name="rocketkv:prefix_tokens_recomputed",
-                documentation="Prompt tokens vLLM's prefix cache held that ROCKETKV "
-                "recomputed: a compressed prompt's last window_size tokens, "
-                "whose queries Stage 1 needs (beside vllm:prefix_cache_hits).",
-                labelnames=labelnames,
-            )
-        )
+        # Counters fed by the scheduler's account (one per field), the host
+        # tier's only where the engine has one.
+        fields = dict(ACCOUNT_COUNTERS)
+        if not has_host_tier(vllm_config):
+            fields = {f: c for f, c in fields.items() if not f.startswith("host_")}
+        self.account_counters = {
+            field: per_engine(Counter(name=name, documentation=doc, labelnames=labelnames))
+            for field, (name, doc) in fields.items()
+        }
         self._account_paths = {
             i: account_path(i, frontend_pid=os.getpid()) for i in self.engine_indexes
         }
         for path in self._account_paths.values():  # engines may be killed
             atexit.register(remove_account, path)
-        self._accounted: dict[int, int] = {}
+        self._accounted: dict[tuple[int, str], int] = {}
         info = self.settings.as_dict()
         info_gauge = Gauge(
             name="rocketkv:config_info",
@@ -266,7 +303,7 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if not self.enabled:
             return
-        if scheduler_stats is not None and engine_idx in self.recomputed:
+        if scheduler_stats is not None and engine_idx in self.prompts_compressed:
             self._record_account(engine_idx)
         if iteration_stats is None:
             return
@@ -297,11 +334,12 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             account = json.loads(path.read_text())
         except (OSError, ValueError):
             return  # not written yet (or the engine runs on another host)
-        recomputed = int(account.get("tokens_recomputed", 0))
-        seen = self._accounted.get(engine_idx, 0)
-        if recomputed > seen:
-            self.recomputed[engine_idx].inc(recomputed - seen)
-        self._accounted[engine_idx] = recomputed
+        for field, counters in self.account_counters.items():
+            value = int(account.get(field, 0))
+            seen = self._accounted.get((engine_idx, field), 0)
+            if value > seen:
+                counters[engine_idx].inc(value - seen)
+            self._accounted[engine_idx, field] = value
 
     def _record_prompt(self, out: RequestOutputFact, plan: RequestPlan, engine_idx: int) -> None:
         acc = account_prompt(self.settings, plan)

@@ -5,12 +5,16 @@ block in both placements vLLM uses, and a store then a load moves exactly
 those bytes. Engine level: a dense engine started with vLLM's own flag
 (``kv_offloading_size``) keeps a document's blocks on the host after the
 device pool has evicted them, and a later request served from the host gives
-the tokens and logprobs it gave when it computed everything itself.
+the tokens and logprobs it gave when it computed everything itself. A
+ROCKETKV engine with evicted blocks poisoned serves later requests from the
+host at its window cap with caching-off's outputs, and every block it put on
+the host equals the dense engine's block for the same prefix.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -99,20 +103,51 @@ BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
 BLOCK = 32
 
 
-@pytest.mark.engine
-def test_evicted_document_comes_back_from_the_host(model_path):
-    """Three 2,000-token documents pass through a device pool of ~3k tokens,
-    so the first one's blocks are evicted and reused by the others (their
-    K/V overwrites them). Asking the first document again is served from the
-    host: its prefix is loaded into freshly allocated, stale blocks, and any
-    block not loaded or loaded wrong changes the logprobs."""
+def _documents():
+    rng = random.Random(11)
+    return [[rng.randrange(100, 40000) for _ in range(2000)] + [5, 6, 7] for _ in range(4)]
+
+
+def host_pages(llm, docs) -> dict[tuple[int, int], torch.Tensor]:
+    """The bytes (every layer's K and V page, as fp32) of each document block
+    the engine's host tier holds, by (document, block index). Blocks are
+    found under the hashes vLLM gives the document's tokens."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.v1.request import Request
+
+    core = llm.llm_engine.engine_core.engine_core
+    host = core.scheduler.connector.scheduler_manager.cpu_block_pool
+    buffers = get_kv_transfer_group().worker_handler.cpu_kv_caches  # this process's worker
+    pages = {}
+    for d, tokens in enumerate(docs):
+        request = Request(
+            f"hashes-{d}",
+            tokens,
+            SamplingParams(max_tokens=1),
+            None,
+            block_hasher=core.request_block_hasher,
+        )
+        for j, block_hash in enumerate(request.block_hashes):
+            (block,) = host.get_cached_block(block_hash, [0]) or (None,)
+            if block is not None:
+                row = torch.cat([b[block.block_id] for b in buffers.values()])
+                pages[d, j] = row.view(torch.float32).clone()
+    return pages
+
+
+@pytest.fixture(scope="module")
+def dense_run(model_path):
+    """Four 2,000-token documents through a dense engine whose device pool
+    holds ~3k tokens, so the first one's blocks are evicted and reused by the
+    others (their K/V overwrites them); then the first document again."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from rocketkv_eval.engines import scheduler
     from rocketkv_vllm.host_tier.connector import HostTierConnector
 
-    rng = random.Random(7)
-    docs = [[rng.randrange(100, 40000) for _ in range(2000)] + [5, 6, 7] for _ in range(3)]
+    docs = _documents()
     llm = make_llm(
         model_path,
         "CPU_ATTN",
@@ -124,13 +159,9 @@ def test_evicted_document_comes_back_from_the_host(model_path):
         disable_log_stats=False,
     )
     try:
-        from rocketkv_eval.engines import scheduler
-
         sched = scheduler(llm)
         assert isinstance(sched.connector, HostTierConnector)
         device_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
-        assert device_blocks * BLOCK < sum(len(d) for d in docs)  # the first is evicted
-
         params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 
         def run(tokens):
@@ -138,36 +169,50 @@ def test_evicted_document_comes_back_from_the_host(model_path):
             return out[0]
 
         first = [run(d) for d in docs]
-        assert all(o.num_cached_tokens == 0 for o in first)
         again = run(docs[0])
-
-        cached = {
-            m.labels["source"]: m.value
-            for m in llm.get_metrics()
-            if m.name == "vllm:prompt_tokens_cached_by_source"
+        return {
+            "docs": docs,
+            "first": first,
+            "again": again,
+            "cached": {
+                m.labels["source"]: m.value
+                for m in llm.get_metrics()
+                if m.name == "vllm:prompt_tokens_cached_by_source"
+            },
+            "device_blocks": device_blocks,
+            "device_free_at_end": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "pages": host_pages(llm, docs),
         }
-        full_blocks = len(docs[0]) // BLOCK * BLOCK
-        assert again.num_cached_tokens == full_blocks
-        assert cached["host"] == full_blocks and cached["device"] == 0
-
-        want, got = first[0].outputs[0], again.outputs[0]
-        assert got.token_ids == want.token_ids
-        for w, g, tok in zip(want.logprobs, got.logprobs, want.token_ids):
-            assert abs(w[tok].logprob - g[tok].logprob) < 1e-4
-        assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == device_blocks
     finally:
         shutdown(llm)
+
+
+@pytest.mark.engine
+def test_evicted_document_comes_back_from_the_host(dense_run):
+    """The first document asked again is served from the host: its prefix
+    is loaded into freshly allocated, stale blocks, and any block not loaded
+    or loaded wrong changes the logprobs."""
+    run = dense_run
+    docs, first, again = run["docs"], run["first"], run["again"]
+    assert run["device_blocks"] * BLOCK < sum(len(d) for d in docs)  # the first is evicted
+    assert all(o.num_cached_tokens == 0 for o in first)
+    full_blocks = len(docs[0]) // BLOCK * BLOCK
+    assert again.num_cached_tokens == full_blocks
+    assert run["cached"]["host"] == full_blocks and run["cached"]["device"] == 0
+
+    want, got = first[0].outputs[0], again.outputs[0]
+    assert got.token_ids == want.token_ids
+    for w, g, tok in zip(want.logprobs, got.logprobs, want.token_ids):
+        assert abs(w[tok].logprob - g[tok].logprob) < 1e-4
+    assert run["device_free_at_end"] == run["device_blocks"]
+    # Every full block of every document went to the host.
+    assert set(run["pages"]) == {(d, j) for d in range(4) for j in range(len(docs[d]) // BLOCK)}
 
 
 # -- ROCKETKV with the host tier ----------------------------------------------
 
 ROCKETKV = {"prompt_budget": 256}  # window_size 32: hits stop 32+ tokens before the end
 POISON = {"poison_evicted_blocks": True}
-
-
-def _documents():
-    rng = random.Random(11)
-    return [[rng.randrange(100, 40000) for _ in range(2000)] + [5, 6, 7] for _ in range(4)]
 
 
 def _asks(docs):
@@ -185,6 +230,7 @@ def _rocketkv_run(model_path, host: bool) -> dict:
     from vllm.inputs import TokensPrompt
 
     from rocketkv_eval.engines import scheduler
+    from rocketkv_vllm.kv_cache import rocketkv_manager
 
     kw = dict(kv_offloading_size=1.0) if host else dict(enable_prefix_caching=False)
     llm = make_llm(
@@ -223,6 +269,8 @@ def _rocketkv_run(model_path, host: bool) -> dict:
             "device_blocks": free_at_start,
             "device_free_at_end": pool.get_num_free_blocks(),
             "host_in_use": None if host_pool is None else sum(b.ref_cnt for b in host_pool.blocks),
+            "pages": host_pages(llm, docs) if host else None,
+            "account": asdict(rocketkv_manager(sched.kv_cache_manager).prefix_account),
         }
     finally:
         shutdown(llm)
@@ -259,6 +307,48 @@ def test_rocketkv_with_the_host_tier_equals_caching_off(rocketkv_runs):
         assert got.token_ids == want.outputs[0].token_ids, name
         for w, g, tok in zip(want.outputs[0].logprobs, got.logprobs, got.token_ids):
             assert abs(w[tok].logprob - g[tok].logprob) < 1e-4, name
+
+
+@pytest.mark.engine
+def test_rocketkv_host_blocks_hold_dense_kv(rocketkv_runs, dense_run):
+    """What a compressed engine puts on the host is the dense K/V of its
+    token prefix: each host block equals the dense CPU_ATTN engine's block
+    for the same document and position (compaction targets included, which
+    Stage 1 overwrites on the device right after they are stored)."""
+    pages, dense = rocketkv_runs["host"]["pages"], dense_run["pages"]
+    docs = _documents()
+    # The whole chain of every document from block 0 (targets first).
+    assert set(pages) == {(d, j) for d in range(4) for j in range(len(docs[d]) // BLOCK)}
+    layers = 30
+    for key, got in pages.items():
+        want = dense[key].view(layers, -1)
+        # Each layer's page: the K/V block in CPU_ATTN's layout, then KT pages.
+        got = got.view(layers, -1)[:, : want.shape[1]]
+        assert torch.isfinite(got).all(), key
+        torch.testing.assert_close(
+            got, want, rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}"
+        )
+
+
+@pytest.mark.engine
+def test_rocketkv_host_tier_account(rocketkv_runs):
+    """The counters behind rocketkv:host_* (metrics): what was stored,
+    loaded and left unused, against what the test's requests imply."""
+    run = rocketkv_runs["host"]
+    account, docs = run["account"], _documents()
+    full = [len(d) // BLOCK for d in docs]  # 62 full blocks per document
+    # Every document's full blocks, and the follow-up's one new full block.
+    assert account["host_blocks_stored"] == sum(full) + 1
+    # Targets: the blocks the kept tokens are compacted into, per document.
+    assert account["host_target_blocks_stored"] == 4 * (256 // BLOCK)
+    assert account["host_target_blocks_dropped"] == 0
+    assert account["host_blocks_loaded"] * BLOCK == run["cached"]["host"]
+    # The same prompt: the host's 62nd block lies in the window.
+    assert account["host_tokens_recomputed"] == BLOCK
+    assert account["tokens_recomputed"] == 0  # nothing left on the device
+    block_bytes = account["host_bytes_stored"] // account["host_blocks_stored"]
+    assert block_bytes * 4 == BYTES_PER_TOKEN * BLOCK * 5  # K/V plus KT pages (1.25x)
+    assert account["host_bytes_loaded"] == account["host_blocks_loaded"] * block_bytes
 
 
 @pytest.mark.engine

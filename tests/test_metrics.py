@@ -20,8 +20,11 @@ from rocketkv_vllm.plan import plan_request
 ROCKETKV = {"token_budget": 256}
 
 
-def _fake_vllm_config(backend, rocketkv=ROCKETKV, block_size=16):
+def _fake_vllm_config(backend, rocketkv=ROCKETKV, block_size=16, kv_connector=None):
     return SimpleNamespace(
+        kv_transfer_config=None
+        if kv_connector is None
+        else SimpleNamespace(kv_connector=kv_connector),
         attention_config=SimpleNamespace(backend=backend),
         additional_config={"rocketkv": rocketkv},
         cache_config=SimpleNamespace(block_size=block_size),
@@ -318,4 +321,36 @@ def test_the_schedulers_prefix_cache_account_reaches_the_counter(monkeypatch, tm
     assert _sample(name) == 32
     stat_logger.record(SimpleNamespace(), None, engine_idx=0)
     assert _sample(name) == 96
+    assert _sample("rocketkv:host_blocks_stored_total") is None  # no host tier, no counter
+    unregister_rocketkv_metrics()
+
+
+def test_the_host_tiers_account_reaches_its_counters(monkeypatch, tmp_path):
+    """With the host tier, its stores, loads, bytes and recomputed tokens
+    (``host_tier.scheduler``) travel in the same account file."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rocketkv_vllm.host_tier import CONNECTOR_NAME
+    from rocketkv_vllm.kv_cache import PrefixCacheAccount, account_path
+    from rocketkv_vllm.metrics import (
+        ACCOUNT_COUNTERS,
+        RocketKVStatLogger,
+        unregister_rocketkv_metrics,
+    )
+    from rocketkv_vllm.plugin import register
+
+    monkeypatch.setenv("ROCKETKV_ACCOUNT_DIR", str(tmp_path / "accounts"))
+    register()
+    unregister_rocketkv_metrics()
+    config = _fake_vllm_config(AttentionBackendEnum.CUSTOM, kv_connector=CONNECTOR_NAME)
+    stat_logger = RocketKVStatLogger(config, [0])
+    account = PrefixCacheAccount()
+    fields = [f for f in ACCOUNT_COUNTERS if f.startswith("host_")]
+    assert len(fields) == 7
+    for i, field in enumerate(fields):
+        setattr(account, field, 10 * (i + 1))
+    account.publish(account_path(0, frontend_pid=os.getpid()))
+    stat_logger.record(SimpleNamespace(), None, engine_idx=0)
+    for i, field in enumerate(fields):
+        assert _sample(ACCOUNT_COUNTERS[field][0] + "_total") == 10 * (i + 1), field
     unregister_rocketkv_metrics()

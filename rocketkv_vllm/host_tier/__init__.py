@@ -43,6 +43,13 @@ def select_host_tier_connector(vllm_config) -> None:
         transfer.kv_connector = CONNECTOR_NAME
 
 
+def has_host_tier(vllm_config) -> bool:
+    """Whether the engine runs the host-tier connector (after
+    ``select_host_tier_connector``)."""
+    transfer = vllm_config.kv_transfer_config
+    return transfer is not None and transfer.kv_connector == CONNECTOR_NAME
+
+
 def rocketkv_refusals(vllm_config) -> list[str]:
     """What a ROCKETKV engine cannot run of the KV offloading / connector
     settings, each named ([] when the host tier can serve it)."""

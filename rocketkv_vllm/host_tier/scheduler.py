@@ -37,6 +37,10 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         constructor derives the host pool; building it twice would not)."""
         manager.__class__ = cls
         manager._target_hashes = {}  # device block id -> the hash it is stored under
+        groups = manager.cpu_kv_cache_config.kv_cache_groups
+        manager.block_bytes = sum(
+            g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups
+        )
         return manager
 
     def bind_rocketkv(self, rocketkv: RocketKVManager | None) -> None:
@@ -48,11 +52,12 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         found, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not found or self.rocketkv is None:
             return found, is_async
-        # The device hit's cap (and its account), applied to local + host.
-        capped = self.rocketkv.capped_hit(request, num_computed_tokens + found, [])
+        # The device hit's cap, applied to local + host.
+        capped = self.rocketkv.capped_hit(request, num_computed_tokens + found, [], record=False)
         allowed = max(0, capped - num_computed_tokens)
         if found <= allowed:
             return found, is_async
+        self.rocketkv.prefix_account.host_tokens_recomputed += found - allowed
         if allowed == 0:
             self._free_pending_cpu_hit(self._pending_cpu_hits.pop(request.request_id))
             return 0, False
@@ -92,7 +97,9 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
                 ):
                     continue
                 if host_pool.get_num_free_blocks() <= len(gpu_ids):
-                    break  # host full: the chain is cut here
+                    # Host full: the chain is cut here.
+                    mgr.prefix_account.host_target_blocks_dropped += end // bs - j
+                    break
                 queued.add(key)
                 gpu_ids.append(blocks[j].block_id)
                 self._target_hashes[blocks[j].block_id] = key
@@ -105,6 +112,11 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
 
     def _process_store_completion(self, gpu_block_ids, cpu_block_ids, block_meta=None) -> None:
         keep = [i for i, g in enumerate(gpu_block_ids) if g not in self._target_hashes]
+        if self.rocketkv is not None:
+            account = self.rocketkv.prefix_account
+            account.host_blocks_stored += len(gpu_block_ids)
+            account.host_bytes_stored += len(gpu_block_ids) * self.block_bytes
+            account.host_target_blocks_stored += len(gpu_block_ids) - len(keep)
         for i, gpu_id in enumerate(gpu_block_ids):
             key = self._target_hashes.pop(gpu_id, None)
             if key is None:
@@ -118,6 +130,14 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
             [cpu_block_ids[i] for i in keep],
             None if block_meta is None else [block_meta[i] for i in keep],
         )
+
+    def update_connector_output(self, connector_output) -> None:
+        before = self._interval_load_blocks_completed  # vLLM's count of finished loads
+        super().update_connector_output(connector_output)
+        loaded = self._interval_load_blocks_completed - before
+        if loaded > 0 and self.rocketkv is not None:
+            self.rocketkv.prefix_account.host_blocks_loaded += loaded
+            self.rocketkv.prefix_account.host_bytes_loaded += loaded * self.block_bytes
 
     def _release_transfer_refs(self, transfer: TransferMeta) -> None:
         for gpu_id in transfer.gpu_block_ids:
