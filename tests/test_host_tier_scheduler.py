@@ -1,0 +1,234 @@
+"""The host tier's rules at the scheduler, with fake requests and a fake forward.
+
+vLLM's real ``Scheduler`` (ROCKETKV's block manager, the host-tier connector's
+scheduler half) and the connector's real worker half (the synchronous copy
+worker) on a one-layer KV cache of a few blocks, no model. The fake forward
+writes into every slot it computes a value that names the slot's token
+prefix: the *dense* K/V. It writes what ROCKETKV writes that is not dense K/V
+as markers: a compressed request's compaction targets in its Stage 1 step,
+and its generated tokens. So every host block can be checked against the
+prefix its hash names, after every step: only dense K/V of hashed blocks
+reaches the host. Hits are checked against the window cap, and both pools
+against leaks.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+BS = 16
+NUM_BLOCKS = 64  # device pool: fewer than the documents need
+LAYER = "model.layers.0.self_attn.attn"
+COMPACTED, GENERATED = -1.0, -2.0  # what the fake forward writes that is not dense
+
+
+def dense_value(prefix: list[int]) -> float:
+    """The fake K/V of a slot: a function of its token prefix only."""
+    return float(zlib.crc32(str(prefix).encode()) % 100_003)
+
+
+class FakeEngine:
+    """vLLM's scheduler and the host tier's worker half around a fake forward."""
+
+    def __init__(self, model_path: str, host_gib: float, batched_tokens: int = 128):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from rocketkv_vllm.config import settings_for
+        from rocketkv_vllm.host_tier.connector import HostTierConnector
+        from rocketkv_vllm.kv_cache import make_rocketkv_spec, rocketkv_manager
+        from rocketkv_vllm.plugin import register
+
+        register()
+        config = EngineArgs(
+            model=model_path,
+            attention_backend="ROCKETKV",
+            block_size=BS,
+            max_model_len=1024,
+            max_num_batched_tokens=batched_tokens,
+            max_num_seqs=4,
+            kv_offloading_size=host_gib,
+            dtype="float32",
+            enforce_eager=True,
+            additional_config={"rocketkv": {"prompt_budget": 64}},  # window 32
+        ).create_engine_config()
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.settings = settings_for(config)
+        base = FullAttentionSpec(block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.float32)
+        spec = make_rocketkv_spec(base, self.settings)
+        page = spec.page_size_bytes
+        kv_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[KVCacheTensor(NUM_BLOCKS * page, [LAYER], NUM_BLOCKS * page, page)],
+            kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)],
+        )
+        self.scheduler = Scheduler(
+            config, kv_config, StructuredOutputManager(config), block_size=BS
+        )
+        self.host = self.scheduler.connector.scheduler_manager
+        self.rocketkv = rocketkv_manager(self.scheduler.kv_cache_manager)
+        self.worker = HostTierConnector(config, KVConnectorRole.WORKER, kv_config)
+        storage = torch.zeros(NUM_BLOCKS * page, dtype=torch.int8)
+        self.worker.register_kv_caches({LAYER: storage})
+        # Slot s of block b is kv[b, s] (the first BS floats of each page).
+        self.kv = storage.view(torch.float32).view(NUM_BLOCKS, -1)
+        self.host_kv = self.worker.worker_handler.cpu_kv_caches[LAYER]
+        self.hasher = self.scheduler_hasher(config)
+        self.requests: dict[str, object] = {}
+        self.first_hit: dict[str, tuple[int, int]] = {}  # id -> (local, host) tokens
+        self.tokens_of_hash: dict[object, list[int]] = {}
+        self.checked: set[object] = set()  # host blocks checked, by hash
+        self.free_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        lookup = self.host.get_num_new_matched_tokens
+
+        def record_hit(request, num_computed_tokens):  # the first lookup: (local, host)
+            found, load_async = lookup(request, num_computed_tokens)
+            self.first_hit.setdefault(request.request_id, (num_computed_tokens, found))
+            return found, load_async
+
+        self.host.get_num_new_matched_tokens = record_hit
+
+    @staticmethod
+    def scheduler_hasher(config):
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        return get_request_block_hasher(BS, hash_fn)
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 24) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        request = Request(req_id, prompt, params, None, block_hasher=self.hasher)
+        self.requests[req_id] = request
+        self.scheduler.add_request(request)
+
+    def plan(self, request):
+        return self.rocketkv.plan_of_request(request)
+
+    def step(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        sampled = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            sampled[req_id] = self.forward(self.requests[req_id], n)
+        self.worker.wait_for_save()
+        _, recving = self.worker.get_finished(out.finished_req_ids)
+        connector_out = KVConnectorOutput(
+            finished_recving=recving,
+            kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+        )
+        self.worker.clear_connector_metadata()
+        ids = list(out.num_scheduled_tokens)
+        self.scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[sampled[r] for r in ids],
+                kv_connector_output=connector_out,
+            ),
+        )
+        for request in self.requests.values():
+            for j, block_hash in enumerate(request.block_hashes):
+                self.tokens_of_hash[block_hash] = request.all_token_ids[: (j + 1) * BS]
+        self.check_host_blocks()
+
+    def forward(self, request, n: int) -> list[int]:
+        """Write the step's slots; Stage 1 compacts at the prompt's end."""
+        (row,) = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        # schedule() has advanced num_computed_tokens past this step's tokens.
+        start, prompt = request.num_computed_tokens - n, request.num_prompt_tokens
+        tokens = request.all_token_ids
+        plan = self.plan(request)
+        for pos in range(start, start + n):
+            value = dense_value(tokens[: pos + 1])
+            if pos >= prompt and plan.compress:
+                value = GENERATED  # attends to the compressed view: not dense
+            self.kv[row[pos // BS], pos % BS] = value
+        if start < prompt <= start + n and plan.compress:
+            for j in range(plan.compact_blocks(BS)):
+                self.kv[row[j], :BS] = COMPACTED
+        return [7] if start + n >= prompt else []
+
+    def check_host_blocks(self) -> None:
+        """Every block the host holds is dense K/V of the prefix its hash names."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        for block in self.host.cpu_block_pool.blocks:
+            if block.block_hash is None:
+                continue
+            tokens = self.tokens_of_hash[get_block_hash(block.block_hash)]
+            got = self.host_kv[block.block_id].view(torch.float32)[:BS].tolist()
+            start = len(tokens) - BS
+            want = [dense_value(tokens[: start + s + 1]) for s in range(BS)]
+            assert got == want, (len(tokens) // BS - 1, got[:4], want[:4])
+            self.checked.add(block.block_hash)
+
+    def run(self, max_steps: int = 500) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    engine = FakeEngine(model_path, host_gib=0.01)
+    docs = _prompts(3, [300, 260, 330, 280, 40])  # the last one is not compressed
+    for i, doc in enumerate(docs):
+        engine.add(f"doc-{i}", doc)
+        engine.run()
+    engine.add("again-0", docs[0])  # the device has evicted it
+    engine.add("follow-1", docs[1] + [9] * 50)
+    engine.add("again-4", docs[4])
+    engine.run()
+    engine.docs = docs
+    return engine
+
+
+def test_only_dense_kv_of_hashed_blocks_reaches_the_host(engine):
+    assert len(engine.checked) > 40  # checked after every step by check_host_blocks
+
+
+def test_host_hits_start_at_block_zero_and_stop_before_the_window(engine):
+    window = engine.settings.window_size
+    # (request, prompt length, the document's full blocks the host holds)
+    for req_id, prompt_len, held in (("again-0", 300, 300 // BS), ("follow-1", 310, 260 // BS)):
+        local, host = engine.first_hit[req_id]
+        assert local == 0 and host > 0, req_id  # from the host, from block 0
+        cap = (prompt_len - window) // BS * BS
+        assert local + host == min(held * BS, cap), req_id
+    assert engine.first_hit["again-0"][1] == 256  # the cap: the host holds 288
+    local, host = engine.first_hit["again-4"]
+    assert local + host == 40 // BS * BS  # not compressed: every full block
+
+
+def test_nothing_leaks(engine):
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == engine.free_at_start
+    assert sum(b.ref_cnt for b in engine.host.cpu_block_pool.blocks) == 0
