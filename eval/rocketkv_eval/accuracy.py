@@ -216,8 +216,10 @@ def plot(report: dict, path: str) -> list[str]:
     lengths = sorted({r["length"] for r in rows})
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
     if tasks and lengths:
+        # At least 7 inches wide: the title and a one-row legend of every method.
+        width = max(3.2 * len(tasks), 7.0)
         fig, axes = plt.subplots(
-            len(lengths), len(tasks), squeeze=False, figsize=(3.2 * len(tasks), 2.8 * len(lengths))
+            len(lengths), len(tasks), squeeze=False, figsize=(width, 2.8 * len(lengths))
         )
         for i, length in enumerate(lengths):
             for j, task in enumerate(tasks):
@@ -242,7 +244,7 @@ def plot(report: dict, path: str) -> list[str]:
                 if j == 0:
                     ax.set_ylabel("accuracy")
         handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=len(methods))
+        fig.legend(handles, labels, loc="lower center", ncol=len(handles))
         fig.suptitle(f"{report.get('model')}: accuracy vs token budget")
         fig.tight_layout(rect=(0, 0.05, 1, 0.97))
         out = base + "-budget.png"
@@ -265,7 +267,7 @@ def plot(report: dict, path: str) -> list[str]:
         fig, axes = plt.subplots(
             1, len(configs), squeeze=False, figsize=(2.6 * len(configs) + 1, 3)
         )
-        for ax, (m, b) in zip(axes[0], configs):
+        for col, (ax, (m, b)) in enumerate(zip(axes[0], configs)):
             grid = [[math.nan] * len(lengths) for _ in range(bins)]
             for j, length in enumerate(lengths):
                 samples = outs.get(cell_key("niah_single", length, m, b)) or []
@@ -277,15 +279,15 @@ def plot(report: dict, path: str) -> list[str]:
                         grid[k][j] = sum(got) / len(got)
             im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
             ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
-            ax.set_yticks(
-                range(bins), [f"{100 * k // bins}-{100 * (k + 1) // bins}%" for k in range(bins)]
-            )
+            # Depth labels on the first panel only (they would overlap the next one).
+            labels = [f"{100 * k // bins}-{100 * (k + 1) // bins}%" for k in range(bins)]
+            ax.set_yticks(range(bins), labels if col == 0 else [])
             ax.set_title(m if b is None else f"{m} B={b}", fontsize=9)
             ax.set_xlabel("length")
         axes[0][0].set_ylabel("needle depth")
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
         out = base + "-depth.png"
-        fig.savefig(out, dpi=110)
+        fig.savefig(out, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(out)
     return written

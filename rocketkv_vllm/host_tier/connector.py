@@ -23,16 +23,6 @@ class HostTierConnector(SimpleCPUOffloadConnector):
 
         if self.scheduler_manager is not None:
             from rocketkv_vllm.host_tier.scheduler import RocketKVHostScheduler
-            from rocketkv_vllm.kv_cache import RocketKVAttentionSpec
-
-            groups = kv_cache_config.kv_cache_groups
-            if len(groups) > 1 and any(
-                isinstance(g.kv_cache_spec, RocketKVAttentionSpec) for g in groups
-            ):
-                raise ValueError(
-                    "ROCKETKV attention backend does not support: KV cache offloading "
-                    "(kv_offloading_size) with hybrid sliding-window models, for now"
-                )
 
             RocketKVHostScheduler.adopt(self.scheduler_manager)
         worker = self.worker_handler

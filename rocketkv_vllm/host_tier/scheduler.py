@@ -37,10 +37,15 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         constructor derives the host pool; building it twice would not)."""
         manager.__class__ = cls
         manager._target_hashes = {}  # device block id -> the hash it is stored under
-        groups = manager.cpu_kv_cache_config.kv_cache_groups
-        manager.block_bytes = sum(
-            g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups
-        )
+        config = manager.cpu_kv_cache_config
+        # Every KVCacheTensor spans the whole allocation: its size / blocks is
+        # what one block id holds in all layers (what a transfer copies).
+        manager.block_bytes = config.kv_cache_tensors[0].size // config.num_blocks
+        # Host hits within the window cap (get_num_new_matched_tokens).
+        manager._hit_limit = None
+        coordinator = manager.cpu_coordinator
+        manager._find_longest_cache_hit = coordinator.find_longest_cache_hit
+        coordinator.find_longest_cache_hit = manager._find_hit_within_limit
         return manager
 
     def bind_rocketkv(self, rocketkv: RocketKVManager | None) -> None:
@@ -57,11 +62,28 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         allowed = max(0, capped - num_computed_tokens)
         if found <= allowed:
             return found, is_async
-        self.rocketkv.prefix_account.host_tokens_recomputed += found - allowed
         if allowed == 0:
             self._free_pending_cpu_hit(self._pending_cpu_hits.pop(request.request_id))
-            return 0, False
-        return allowed, is_async
+            found_capped, is_async = 0, False
+        else:
+            # Looked up again within the cap rather than cut: a sliding-window
+            # group's hit holds only the blocks its window needs before the
+            # hit's end, so a shorter hit has other blocks (vLLM's coordinator
+            # finds the longest one every group accepts).
+            self._hit_limit = allowed
+            try:
+                found_capped, is_async = super().get_num_new_matched_tokens(
+                    request, num_computed_tokens
+                )
+            finally:
+                self._hit_limit = None
+        self.rocketkv.prefix_account.host_tokens_recomputed += found - found_capped
+        return found_capped, is_async
+
+    def _find_hit_within_limit(self, block_hashes, max_length: int, *args, **kwargs):
+        if self._hit_limit is not None:
+            max_length = min(max_length, self._hit_limit)
+        return self._find_longest_cache_hit(block_hashes, max_length, *args, **kwargs)
 
     # -- stores -------------------------------------------------------------
 
