@@ -173,7 +173,7 @@ def runs(gemma3, cases):
             kv_offloading_size=0.25,
             disable_log_stats=False,
         ),
-        "dense": _run(gemma3, cases, "CPU_ATTN"),
+        "dense": _run(gemma3, cases, "CPU_ATTN", kv_offloading_size=0.25, disable_log_stats=False),
     }
 
 
@@ -242,4 +242,15 @@ def test_second_question_from_the_host_tier(runs, cases):
     assert ours["tokens"]["from-host"] == ours["tokens"]["second-question"]
     torch.testing.assert_close(
         ours["logprobs"]["from-host"], ours["logprobs"]["second-question"], rtol=0, atol=1e-3
+    )
+
+
+def test_dense_hybrid_engine_with_the_host_tier(runs):
+    """The same on vLLM's own backend: the plugin's CPU copy worker serves a
+    hybrid model's groups for dense engines too."""
+    dense = runs["dense"]
+    assert dense["device_tokens"] == 0 and dense["host_tokens"] > 0
+    assert dense["tokens"]["from-host"] == dense["tokens"]["second-question"]
+    torch.testing.assert_close(
+        dense["logprobs"]["from-host"], dense["logprobs"]["second-question"], rtol=0, atol=1e-3
     )
