@@ -6,8 +6,9 @@
 // the top pages by the token-count weighted, SparQ-tempered softmax
 // averaged over the query group, then attend exactly over those pages'
 // tokens. PyTorch needs ~40 small operators for this; here it is one call.
-// It runs on the calling thread: an OpenMP runtime of our own would fight
-// the one torch and vLLM's CPU worker (which pins its threads) already run.
+// The (row, KV head) items run on torch's intra-op threads (at::parallel_for,
+// the threads vLLM's CPU worker pins), not on an OpenMP runtime of our own,
+// which would fight that one.
 //
 // The KV cache is vLLM CPU_ATTN's: each head's block holds block_size K
 // rows then block_size V rows of d elements, K packed per `layout`:
@@ -27,6 +28,7 @@
 // with the scaled logits, that joins the exact attention's softmax
 // denominator and has no value (rocketkv_vllm/algorithm/sinks.py).
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -262,135 +264,138 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
     }
   }
 
-  // 2. Page choice and sparse attention per (row, KV head).
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t seq = sl_p[b];
-      if (seq <= 0) continue;
-      const int64_t nc = nc_p[b], ts = ts_p[b];
-      const int64_t compact_pages = (nc + ps - 1) / ps;
-      const int64_t num_pages = compact_pages + (seq - ts + ps - 1) / ps;
-      std::vector<float> q(G * d);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < d; ++c)
-          q[g * d + c] = to_float(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
-      // Channels: top-r of the group's summed |q|; sign of the group's sum.
-      std::vector<float> mag(d, 0.f), sum(d, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < d; ++c) {
-          mag[c] += std::fabs(q[g * d + c]);
-          sum[c] += q[g * d + c];
-        }
-      const int64_t r = std::min<int64_t>(std::max<int64_t>(topr_p[b], 1), d);
-      std::vector<int64_t> chan(d);
-      std::iota(chan.begin(), chan.end(), 0);
-      std::partial_sort(chan.begin(), chan.begin() + r, chan.end(),
-                        [&](int64_t a, int64_t c) { return mag[a] > mag[c]; });
-      chan.resize(r);
-      // The bound reads max where the group's sum is positive, else min; a
-      // query row zero off the chosen channels, scaled by the SparQ
-      // temperature, makes scoring a page one dense dot product over d.
-      std::vector<float> q_sel(G * d, 0.f);
-      std::vector<uint32_t> take_max(d);
-      for (int64_t c = 0; c < d; ++c) take_max[c] = sum[c] > 0.f ? ~0u : 0u;
-      for (int64_t g = 0; g < G; ++g) {
-        float all = 0.f, kept = 0.f;
-        for (int64_t c = 0; c < d; ++c) all += std::fabs(q[g * d + c]);
-        for (int64_t i = 0; i < r; ++i) kept += std::fabs(q[g * d + chan[i]]);
-        const float tau = std::sqrt(d * kept / std::max(all, 1e-30f));
-        const float inv_tau = 1.f / std::max(tau, 1e-30f);
-        for (int64_t i = 0; i < r; ++i) q_sel[g * d + chan[i]] = q[g * d + chan[i]] * inv_tau;
+  // 2. Page choice and sparse attention per (row, KV head): independent items
+  // (each writes its own query heads' output rows), spread over torch's
+  // intra-op threads.
+  auto row_head = [&](int64_t b, int64_t h) {
+    const int64_t seq = sl_p[b];
+    if (seq <= 0) return;
+    const int64_t nc = nc_p[b], ts = ts_p[b];
+    const int64_t compact_pages = (nc + ps - 1) / ps;
+    const int64_t num_pages = compact_pages + (seq - ts + ps - 1) / ps;
+    std::vector<float> q(G * d);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < d; ++c)
+        q[g * d + c] = to_float(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
+    // Channels: top-r of the group's summed |q|; sign of the group's sum.
+    std::vector<float> mag(d, 0.f), sum(d, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < d; ++c) {
+        mag[c] += std::fabs(q[g * d + c]);
+        sum[c] += q[g * d + c];
       }
-      // Page logits [G, P] and token counts.
-      std::vector<float> logits(G * num_pages), bound(d);
-      std::vector<int64_t> page_start(num_pages), page_tokens(num_pages);
-      for (int64_t p = 0; p < num_pages; ++p) {
-        const bool in_compact = p < compact_pages;
-        const int64_t start = in_compact ? p * ps : ts + (p - compact_pages) * ps;
-        const int64_t end = in_compact ? nc : seq;
-        page_start[p] = start;
-        page_tokens[p] = std::min<int64_t>(ps, end - start);
-        const int64_t block = table[b * table_stride + start / bs];
-        kt_rows.read_bound(kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp,
-                           take_max.data(), bound.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = &q_sel[g * d];
-          float s = 0.f;
+    const int64_t r = std::min<int64_t>(std::max<int64_t>(topr_p[b], 1), d);
+    std::vector<int64_t> chan(d);
+    std::iota(chan.begin(), chan.end(), 0);
+    std::partial_sort(chan.begin(), chan.begin() + r, chan.end(),
+                      [&](int64_t a, int64_t c) { return mag[a] > mag[c]; });
+    chan.resize(r);
+    // The bound reads max where the group's sum is positive, else min; a
+    // query row zero off the chosen channels, scaled by the SparQ
+    // temperature, makes scoring a page one dense dot product over d.
+    std::vector<float> q_sel(G * d, 0.f);
+    std::vector<uint32_t> take_max(d);
+    for (int64_t c = 0; c < d; ++c) take_max[c] = sum[c] > 0.f ? ~0u : 0u;
+    for (int64_t g = 0; g < G; ++g) {
+      float all = 0.f, kept = 0.f;
+      for (int64_t c = 0; c < d; ++c) all += std::fabs(q[g * d + c]);
+      for (int64_t i = 0; i < r; ++i) kept += std::fabs(q[g * d + chan[i]]);
+      const float tau = std::sqrt(d * kept / std::max(all, 1e-30f));
+      const float inv_tau = 1.f / std::max(tau, 1e-30f);
+      for (int64_t i = 0; i < r; ++i) q_sel[g * d + chan[i]] = q[g * d + chan[i]] * inv_tau;
+    }
+    // Page logits [G, P] and token counts.
+    std::vector<float> logits(G * num_pages), bound(d);
+    std::vector<int64_t> page_start(num_pages), page_tokens(num_pages);
+    for (int64_t p = 0; p < num_pages; ++p) {
+      const bool in_compact = p < compact_pages;
+      const int64_t start = in_compact ? p * ps : ts + (p - compact_pages) * ps;
+      const int64_t end = in_compact ? nc : seq;
+      page_start[p] = start;
+      page_tokens[p] = std::min<int64_t>(ps, end - start);
+      const int64_t block = table[b * table_stride + start / bs];
+      kt_rows.read_bound(kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp,
+                         take_max.data(), bound.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = &q_sel[g * d];
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t c = 0; c < d; ++c) s += qg[c] * bound[c];
-          logits[g * num_pages + p] = s;
-        }
-      }
-      // Token-count weighted softmax per query head, averaged over the group.
-      std::vector<float> probs(num_pages, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* l = &logits[g * num_pages];
-        const float peak = *std::max_element(l, l + num_pages);
-        float denom = 0.f;
-        for (int64_t p = 0; p < num_pages; ++p) {
-          l[p] = std::exp(l[p] - peak);
-          denom += page_tokens[p] * l[p];
-        }
-        const float inv = 1.f / (G * std::max(denom, 1e-30f));
-        for (int64_t p = 0; p < num_pages; ++p) probs[p] += l[p] * inv;
-      }
-      const int64_t current = compact_pages + (seq - 1 - ts) / ps;
-      const int64_t extra = force_current_page ? 1 : 0;
-      if (force_current_page) probs[current] = 2.f;
-      const int64_t n = std::min<int64_t>(std::max<int64_t>(ns_p[b], 1) + extra, num_pages);
-      std::vector<int64_t> order(num_pages);
-      std::iota(order.begin(), order.end(), 0);
-      // The n most probable pages first (in no particular order).
-      std::nth_element(order.begin(), order.begin() + (n - 1), order.end(),
-                       [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
-      // Exact attention over the chosen pages' tokens: gather them into
-      // float rows, then logits, softmax and the weighted sum of values per
-      // query head, in loops the compiler vectorizes.
-      int64_t num_tokens = 0;
-      for (int64_t i = 0; i < n; ++i) num_tokens += page_tokens[order[i]];
-      std::vector<float> keys(num_tokens * d), vals(num_tokens * d), w(num_tokens),
-          acc(d);
-      int64_t t = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = order[i];
-        // A page lies in one block (page_size divides block_size).
-        const int64_t slot = page_start[p];
-        const int64_t block = table[b * table_stride + slot / bs];
-        const T* head = kv + block * cache.block_stride + h * cache.head_stride;
-        load_tokens(cache, head, slot % bs, page_tokens[p], &keys[t * d], &vals[t * d]);
-        t += page_tokens[p];
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = &q[g * d];
-        // A sink enters the max too, so exp never overflows.
-        float peak = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
-        for (int64_t u = 0; u < num_tokens; ++u) {
-          const float* key = &keys[u * d];
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t c = 0; c < d; ++c) s += qg[c] * key[c];
-          w[u] = s * static_cast<float>(scale);
-          peak = std::max(peak, w[u]);
-        }
-        float den = 0.f;
-        for (int64_t u = 0; u < num_tokens; ++u) {
-          w[u] = std::exp(w[u] - peak);
-          den += w[u];
-        }
-        if (sinks) den += std::exp(sinks[h * G + g] - peak);  // no value: denominator only
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t u = 0; u < num_tokens; ++u) {
-          const float* val = &vals[u * d];
-          const float wu = w[u];
-#pragma omp simd
-          for (int64_t c = 0; c < d; ++c) acc[c] += wu * val[c];
-        }
-        T* o = o_ptr + (b * Hq + h * G + g) * d;
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
+        for (int64_t c = 0; c < d; ++c) s += qg[c] * bound[c];
+        logits[g * num_pages + p] = s;
       }
     }
-  }
+    // Token-count weighted softmax per query head, averaged over the group.
+    std::vector<float> probs(num_pages, 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      float* l = &logits[g * num_pages];
+      const float peak = *std::max_element(l, l + num_pages);
+      float denom = 0.f;
+      for (int64_t p = 0; p < num_pages; ++p) {
+        l[p] = std::exp(l[p] - peak);
+        denom += page_tokens[p] * l[p];
+      }
+      const float inv = 1.f / (G * std::max(denom, 1e-30f));
+      for (int64_t p = 0; p < num_pages; ++p) probs[p] += l[p] * inv;
+    }
+    const int64_t current = compact_pages + (seq - 1 - ts) / ps;
+    const int64_t extra = force_current_page ? 1 : 0;
+    if (force_current_page) probs[current] = 2.f;
+    const int64_t n = std::min<int64_t>(std::max<int64_t>(ns_p[b], 1) + extra, num_pages);
+    std::vector<int64_t> order(num_pages);
+    std::iota(order.begin(), order.end(), 0);
+    // The n most probable pages first (in no particular order).
+    std::nth_element(order.begin(), order.begin() + (n - 1), order.end(),
+                     [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
+    // Exact attention over the chosen pages' tokens: gather them into
+    // float rows, then logits, softmax and the weighted sum of values per
+    // query head, in loops the compiler vectorizes.
+    int64_t num_tokens = 0;
+    for (int64_t i = 0; i < n; ++i) num_tokens += page_tokens[order[i]];
+    std::vector<float> keys(num_tokens * d), vals(num_tokens * d), w(num_tokens),
+        acc(d);
+    int64_t t = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = order[i];
+      // A page lies in one block (page_size divides block_size).
+      const int64_t slot = page_start[p];
+      const int64_t block = table[b * table_stride + slot / bs];
+      const T* head = kv + block * cache.block_stride + h * cache.head_stride;
+      load_tokens(cache, head, slot % bs, page_tokens[p], &keys[t * d], &vals[t * d]);
+      t += page_tokens[p];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = &q[g * d];
+      // A sink enters the max too, so exp never overflows.
+      float peak = sinks ? sinks[h * G + g] : -std::numeric_limits<float>::infinity();
+      for (int64_t u = 0; u < num_tokens; ++u) {
+        const float* key = &keys[u * d];
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t c = 0; c < d; ++c) s += qg[c] * key[c];
+        w[u] = s * static_cast<float>(scale);
+        peak = std::max(peak, w[u]);
+      }
+      float den = 0.f;
+      for (int64_t u = 0; u < num_tokens; ++u) {
+        w[u] = std::exp(w[u] - peak);
+        den += w[u];
+      }
+      if (sinks) den += std::exp(sinks[h * G + g] - peak);  // no value: denominator only
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t u = 0; u < num_tokens; ++u) {
+        const float* val = &vals[u * d];
+        const float wu = w[u];
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) acc[c] += wu * val[c];
+      }
+      T* o = o_ptr + (b * Hq + h * G + g) * d;
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
+    }
+  };
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) row_head(i / Hkv, i % Hkv);
+  });
 }
 
 }  // namespace
