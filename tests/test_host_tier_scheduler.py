@@ -288,3 +288,23 @@ def test_crowded_nothing_leaks(crowded):
     pool = crowded.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == crowded.free_at_start
     assert sum(b.ref_cnt for b in crowded.host.cpu_block_pool.blocks) == 0
+
+
+def test_crowded_host_chains_have_no_holes(model_path):
+    """With a host for every document, each one's full prompt blocks all
+    reach it although the device reuses given-back blocks at once (vLLM
+    would store those one step late; a block reused by then is a hole that
+    ends every later hit there). Long chunks: most blocks are completed in
+    the Stage 1 step itself."""
+    engine = FakeEngine(
+        model_path, host_gib=400 * BLOCK_BYTES / (1 << 30), num_blocks=34, batched_tokens=512
+    )
+    docs = _prompts(5, [250 + 30 * i for i in range(8)])
+    for i, doc in enumerate(docs):
+        engine.add(f"doc-{i}", doc, max_tokens=120)
+    engine.run()
+    host = engine.host.cpu_block_pool
+    for i, doc in enumerate(docs):
+        hashes = engine.requests[f"doc-{i}"].block_hashes[: len(doc) // BS]
+        missing = [j for j, h in enumerate(hashes) if not host.get_cached_block(h, [0])]
+        assert missing == [], (i, missing)

@@ -14,7 +14,10 @@ K/V of its token prefix. Two rules are added:
   (``RocketKVManager.chunk_tokens``), and copies on vLLM's CPU build finish
   inside the step. So a compressed conversation's host chain starts at
   block 0, and a later turn can be served from the host after the device
-  has evicted everything.
+  has evicted everything;
+- the blocks a compressed prompt gives back after its Stage 1 step are
+  stored from that step (after its forward), not one step later as vLLM
+  would: by then another request may have reused one, a hole in the chain.
 """
 
 from __future__ import annotations
@@ -89,46 +92,73 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
 
     def build_connector_meta(self, scheduler_output):
         if self.rocketkv is not None:
-            self._queue_target_stores(scheduler_output)
+            self._queue_compressed_prompt_stores(scheduler_output)
         return super().build_connector_meta(scheduler_output)
 
-    def _queue_target_stores(self, scheduler_output) -> None:
+    def _queue_compressed_prompt_stores(self, scheduler_output) -> None:
+        """Stores of compressed prompts' blocks that vLLM's own (one step
+        later) would miss: the compaction targets, from the step whose forward
+        completes them (the Stage 1 step compacts into them), and in the
+        Stage 1 step the blocks given back after it (another request may
+        reuse one before the next step's store, leaving a hole in the host
+        chain). Both copies run after this step's forward."""
         mgr = self.rocketkv
         bs, gid = mgr.block_size, mgr.kv_cache_group_id
         gpu_pool, host_pool = self._gpu_block_pool, self.cpu_block_pool
         queued = set(self._target_hashes.values())
-        gpu_ids: list[int] = []
+        in_flight = self._in_flight_store_gpu_blocks
+        gpu_ids: list[int] = []  # targets first, then given-back blocks
+        given_back: list[int] = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs_to_store.get(req_id)
             if state is None or state.finished:
                 continue
             request = state.request
             plan = mgr.plan_of_request(request)
-            end = plan.compact_blocks(bs) * bs if plan.compress else 0
+            if not plan.compress:
+                continue
             before = request.num_computed_tokens  # not yet advanced for this step
-            if not before < end <= before + num_new:
-                continue  # the targets are not completed by this step
-            hashes = resolve_block_hashes(request.block_hashes, mgr.block_pool.hash_block_size, bs)
+            end = plan.compact_blocks(bs) * bs
             blocks = mgr.req_to_blocks.get(req_id, [])
-            for j in range(min(end // bs, len(hashes), len(blocks))):
-                key = make_block_hash_with_group_id(hashes[j], gid)
-                if (
-                    blocks[j].is_null
-                    or key in queued
-                    or host_pool.get_cached_block(hashes[j], [gid])
-                ):
-                    continue
-                if host_pool.get_num_free_blocks() <= len(gpu_ids):
-                    # Host full: the chain is cut here.
-                    mgr.prefix_account.host_target_blocks_dropped += end // bs - j
-                    break
-                queued.add(key)
-                gpu_ids.append(blocks[j].block_id)
-                self._target_hashes[blocks[j].block_id] = key
-        if not gpu_ids:
+            if before < end <= before + num_new:
+                hashes = resolve_block_hashes(
+                    request.block_hashes, mgr.block_pool.hash_block_size, bs
+                )
+                for j in range(min(end // bs, len(hashes), len(blocks))):
+                    key = make_block_hash_with_group_id(hashes[j], gid)
+                    if (
+                        blocks[j].is_null
+                        or key in queued
+                        or host_pool.get_cached_block(hashes[j], [gid])
+                    ):
+                        continue
+                    if host_pool.get_num_free_blocks() <= len(gpu_ids):
+                        # Host full: the chain is cut here.
+                        mgr.prefix_account.host_target_blocks_dropped += end // bs - j
+                        break
+                    queued.add(key)
+                    gpu_ids.append(blocks[j].block_id)
+                    self._target_hashes[blocks[j].block_id] = key
+            if before < request.num_prompt_tokens <= before + num_new:
+                start, stop = plan.freed_block_range(bs)
+                for block in blocks[start:stop]:
+                    if (
+                        block.is_null
+                        or block.block_hash is None
+                        or block.block_id in in_flight
+                        or block.block_id in given_back
+                        or host_pool.cached_block_hash_to_block.get_one_block(block.block_hash)
+                    ):
+                        continue
+                    if host_pool.get_num_free_blocks() <= len(gpu_ids) + len(given_back):
+                        break
+                    given_back.append(block.block_id)
+        if not gpu_ids and not given_back:
             return
-        cpu_ids = [b.block_id for b in host_pool.get_new_blocks(len(gpu_ids))]
+        cpu_ids = [b.block_id for b in host_pool.get_new_blocks(len(gpu_ids) + len(given_back))]
+        gpu_ids += given_back
         gpu_pool.touch([gpu_pool.blocks[b] for b in gpu_ids])  # kept until copied
+        in_flight.update(given_back)  # vLLM's own store skips them
         meta = [{} for _ in gpu_ids] if self.enable_kv_cache_events else None
         self._pending_finished_stores.append(TransferMeta(gpu_ids, cpu_ids, meta))
 
