@@ -174,7 +174,14 @@ def _engine_settings(log: str) -> RocketKVSettings:
 def metrics_server(model_path):
     from test_serve import Server
 
-    srv = Server(model_path, rocketkv=ROCKETKV, env={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    # With a host tier (vLLM's --kv-offloading-size): its counters come from
+    # the scheduler's account too.
+    srv = Server(
+        model_path,
+        rocketkv=ROCKETKV,
+        extra=["--kv-offloading-size", "0.5"],
+        env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -278,6 +285,15 @@ def test_server_exports_rocketkv_counters(metrics_server, tokenizer):
     assert metric_value(text, "rocketkv:prefix_tokens_recomputed_total") == (
         (3000 - 1) // bs * bs - capped
     )
+    # The host tier holds the prompt's hashed blocks too: the ones past the
+    # cap were found there and not used either; its compaction targets went
+    # to the host before Stage 1, once (the second request finds them there).
+    assert metric_value(text, "rocketkv:host_tokens_recomputed_total") == (
+        (3000 - 1) // bs * bs - capped
+    )
+    assert metric_value(text, "rocketkv:host_blocks_stored_total") >= (3000 - 1) // bs
+    assert metric_value(text, "rocketkv:host_target_blocks_stored_total") == plan.compact_blocks(bs)
+    assert metric_value(text, "rocketkv:host_blocks_loaded_total") == 0  # all on the device
 
 
 @pytest.mark.engine
