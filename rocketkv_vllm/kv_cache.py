@@ -178,6 +178,10 @@ class RocketKVManager(FullAttentionManager):
         self._chunk_ends: dict[str, tuple[int, int]] = {}
         self.prefix_account = PrefixCacheAccount()
         self._account_path: Path | None = None  # where publish_account writes
+        # Hit tokens the cap left unused, per request, from its latest lookup:
+        # counted once the request is admitted with that hit (a request that
+        # waits is looked up again every step).
+        self._unused_hit: dict[str, int] = {}
 
     # -- requests -------------------------------------------------------------
 
@@ -217,10 +221,13 @@ class RocketKVManager(FullAttentionManager):
     def capped_hit(self, request, num_hit_tokens: int, hit_blocks, record: bool = True) -> int:
         """``num_hit_tokens`` within a compressed request's window cap
         (``RequestPlan.window_hit_cap``); what the cap costs is counted
-        (``record``) as device-cache tokens recomputed. A
+        (``record``) as device-cache tokens recomputed when the request is
+        admitted with this lookup's hit (``add_local_computed_blocks``). A
         compaction target the request would copy (at admission) from a block
         that this very step writes is not taken from the cache: the copy
         runs before the step's forward."""
+        if record:
+            self._unused_hit.pop(request.request_id, None)  # an earlier lookup's
         plan = self.plan_of_request(request)
         if not plan.compress:
             return num_hit_tokens
@@ -230,11 +237,9 @@ class RocketKVManager(FullAttentionManager):
         for j, block in enumerate(hit_blocks[:targets]):
             if block.block_id in self._hashed_this_step:
                 return min(num_hit_tokens, j * bs)
-        if num_hit_tokens <= cap:
-            return num_hit_tokens
-        if record:
-            self.prefix_account.tokens_recomputed += num_hit_tokens - cap
-        return cap
+        if record and num_hit_tokens > cap:
+            self._unused_hit[request.request_id] = num_hit_tokens - cap
+        return min(num_hit_tokens, cap)
 
     def publish_account(self, engine_index: int) -> None:
         """Write the prefix-cache account for the API server's metrics (its
@@ -305,6 +310,7 @@ class RocketKVManager(FullAttentionManager):
         super().add_local_computed_blocks(
             request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens
         )
+        self.prefix_account.tokens_recomputed += self._unused_hit.pop(request_id, 0)
         blocks = self.req_to_blocks[request_id]
         for j in range(self._private_copies(request_id, len(new_computed_blocks))):
             copy = self.block_pool.get_new_blocks(1)[0]
@@ -314,6 +320,10 @@ class RocketKVManager(FullAttentionManager):
             if self._record_new_block_ids:
                 self.new_block_ids.append(copy.block_id)
             self.prefix_account.private_copies += 1
+
+    def free(self, request_id: str) -> None:
+        self._unused_hit.pop(request_id, None)  # finished or aborted while waiting
+        super().free(request_id)
 
     def cache_blocks(
         self, request, num_tokens: int, retention_interval: int | None = None, *, replay_boundaries

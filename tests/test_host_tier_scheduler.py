@@ -40,6 +40,7 @@ class FakeEngine:
         host_gib: float,
         num_blocks: int = NUM_BLOCKS,
         batched_tokens: int = 128,
+        max_num_seqs: int = 4,
     ):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
@@ -64,7 +65,7 @@ class FakeEngine:
             block_size=BS,
             max_model_len=1024,
             max_num_batched_tokens=batched_tokens,
-            max_num_seqs=4,
+            max_num_seqs=max_num_seqs,
             kv_offloading_size=host_gib,
             dtype="float32",
             enforce_eager=True,
@@ -308,3 +309,28 @@ def test_crowded_host_chains_have_no_holes(model_path):
         hashes = engine.requests[f"doc-{i}"].block_hashes[: len(doc) // BS]
         missing = [j for j, h in enumerate(hashes) if not host.get_cached_block(h, [0])]
         assert missing == [], (i, missing)
+
+
+def test_unused_host_tokens_count_once_per_admission(model_path):
+    """A request whose blocks do not fit waits, and is looked up again every
+    step; the host tokens its cap leaves unused
+    (``rocketkv:host_tokens_recomputed``) count once, when it is admitted."""
+    engine = FakeEngine(model_path, host_gib=0.01, num_blocks=34)
+    docs = _prompts(3, [300, 260, 330, 280])
+    for i, doc in enumerate(docs):  # the device evicts the first ones
+        engine.add(f"doc-{i}", doc)
+        engine.run()
+    engine.add("long-answer", _prompts(4, [40])[0], max_tokens=420)  # 29 blocks at the end
+    for _ in range(320):
+        engine.step()
+    engine.add("again-0", docs[0])  # its host hit needs 16 blocks: it waits
+    lookups = 0
+    while engine.requests["again-0"].num_computed_tokens == 0:
+        engine.step()
+        lookups += 1
+    engine.run()
+    assert lookups > 10
+    window = engine.settings.window_size
+    cap = (300 - window) // BS * BS
+    assert engine.hit["again-0"] == (0, cap)
+    assert engine.rocketkv.prefix_account.host_tokens_recomputed == 300 // BS * BS - cap == 32

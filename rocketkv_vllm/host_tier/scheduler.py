@@ -4,7 +4,7 @@ vLLM's eager host tier stores every *hashed* block of a running request's
 block table after the forward that computed it, and loads a host hit into
 the request's new blocks. ROCKETKV hashes only dense prompt blocks and
 never writes a hashed block again, so what vLLM stores is already dense
-K/V of its token prefix. Two rules are added:
+K/V of its token prefix. Three rules are added:
 
 - a host hit stops where the local one must: a compressed prompt's last
   ``window_size`` tokens are computed (Stage 1 needs their queries);
@@ -29,7 +29,7 @@ from rocketkv_vllm.kv_cache import RocketKVManager
 
 
 class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
-    """vLLM's ``SimpleCPUOffloadScheduler`` plus the two rules above; inert
+    """vLLM's ``SimpleCPUOffloadScheduler`` plus the three rules above; inert
     (vLLM's behaviour) without a ROCKETKV block manager."""
 
     rocketkv: RocketKVManager | None = None
@@ -46,6 +46,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         manager.block_bytes = config.kv_cache_tensors[0].size // config.num_blocks
         # Host hits within the window cap (get_num_new_matched_tokens).
         manager._hit_limit = None
+        manager._unused_host_hit = {}  # request id -> host tokens the cap left
         coordinator = manager.cpu_coordinator
         manager._find_longest_cache_hit = coordinator.find_longest_cache_hit
         coordinator.find_longest_cache_hit = manager._find_hit_within_limit
@@ -57,6 +58,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
     # -- hits ---------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        self._unused_host_hit.pop(request.request_id, None)  # an earlier lookup's
         found, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not found or self.rocketkv is None:
             return found, is_async
@@ -80,8 +82,20 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
                 )
             finally:
                 self._hit_limit = None
-        self.rocketkv.prefix_account.host_tokens_recomputed += found - found_capped
+        # Counted when the request is admitted with this hit (it may wait
+        # and be looked up again).
+        self._unused_host_hit[request.request_id] = found - found_capped
         return found_capped, is_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        unused = self._unused_host_hit.pop(request.request_id, 0)
+        if self.rocketkv is not None:
+            self.rocketkv.prefix_account.host_tokens_recomputed += unused
+
+    def request_finished(self, request, block_ids):  # all_groups calls it too
+        self._unused_host_hit.pop(request.request_id, None)  # aborted while waiting
+        return super().request_finished(request, block_ids)
 
     def _find_hit_within_limit(self, block_hashes, max_length: int, *args, **kwargs):
         if self._hit_limit is not None:
