@@ -133,6 +133,11 @@ class FakeEngine:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
+        # The block copies the scheduler asked for (copy-on-write of prefix
+        # hits, preserved compaction targets) run before the step, as the
+        # model runner runs them.
+        for src, dst in out.kv_cache_block_copies or ():
+            self.kv[dst] = self.kv[src]
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
         sampled = {}
@@ -334,3 +339,18 @@ def test_unused_host_tokens_count_once_per_admission(model_path):
     cap = (300 - window) // BS * BS
     assert engine.hit["again-0"] == (0, cap)
     assert engine.rocketkv.prefix_account.host_tokens_recomputed == 300 // BS * BS - cap == 32
+
+
+def test_a_tiny_host_pool_is_never_overcommitted(model_path):
+    """Eight documents at once, a host pool of 8 blocks: in one step, one
+    prompt's given-back blocks and another's compaction targets compete for
+    it; what does not fit is not stored (vLLM's pool raises, killing the
+    engine, when asked for more blocks than it has free)."""
+    engine = FakeEngine(model_path, host_gib=8 * BLOCK_BYTES / (1 << 30), num_blocks=60)
+    docs = _prompts(0, [200 + 37 * i for i in range(8)])
+    for i, doc in enumerate(docs):
+        engine.add(f"doc-{i}", doc, max_tokens=30)
+    engine.run()  # every host block checked after every step
+    assert all(r.num_output_tokens == 30 for r in engine.requests.values())
+    assert engine.rocketkv.prefix_account.host_target_blocks_dropped > 0
+    assert sum(b.ref_cnt for b in engine.host.cpu_block_pool.blocks) == 0

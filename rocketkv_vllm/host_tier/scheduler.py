@@ -146,7 +146,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
                         or host_pool.get_cached_block(hashes[j], [gid])
                     ):
                         continue
-                    if host_pool.get_num_free_blocks() <= len(gpu_ids):
+                    if host_pool.get_num_free_blocks() <= len(gpu_ids) + len(given_back):
                         # Host full: the chain is cut here.
                         mgr.prefix_account.host_target_blocks_dropped += end // bs - j
                         break
