@@ -121,6 +121,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         gpu_pool, host_pool = self._gpu_block_pool, self.cpu_block_pool
         queued = set(self._target_hashes.values())
         in_flight = self._in_flight_store_gpu_blocks
+        on_host = host_pool.cached_block_hash_to_block.get_one_block  # by hash with group
         gpu_ids: list[int] = []  # targets first, then given-back blocks
         given_back: list[int] = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -140,11 +141,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
                 )
                 for j in range(min(end // bs, len(hashes), len(blocks))):
                     key = make_block_hash_with_group_id(hashes[j], gid)
-                    if (
-                        blocks[j].is_null
-                        or key in queued
-                        or host_pool.get_cached_block(hashes[j], [gid])
-                    ):
+                    if blocks[j].is_null or key in queued or on_host(key):
                         continue
                     if host_pool.get_num_free_blocks() <= len(gpu_ids) + len(given_back):
                         # Host full: the chain is cut here.
@@ -161,7 +158,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
                         or block.block_hash is None
                         or block.block_id in in_flight
                         or block.block_id in given_back
-                        or host_pool.cached_block_hash_to_block.get_one_block(block.block_hash)
+                        or on_host(block.block_hash)
                     ):
                         continue
                     if host_pool.get_num_free_blocks() <= len(gpu_ids) + len(given_back):
