@@ -15,6 +15,7 @@ import os
 from vllm.logger import init_logger
 
 from rocketkv_vllm.config import RocketKVConfigError, RocketKVSettings, settings_for, test_aids_for
+from rocketkv_vllm.fp8_kv import FP8_FORMATS
 from rocketkv_vllm.plan import plan_request
 
 # Under the "vllm" logger so records show with vLLM's own formatting.
@@ -73,8 +74,7 @@ def configure_engine(vllm_config) -> None:
 
     refusals += rocketkv_refusals(vllm_config)
     refusals += unsupported_model_reasons(model_config)
-    if cache_config.cache_dtype not in ("auto", None):
-        refusals.append(f"kv_cache_dtype={cache_config.cache_dtype} (use auto)")
+    refusals += cache_dtype_refusals(cache_config, model_config)
     parallel = vllm_config.parallel_config
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
         refusals.append("decode context parallelism")
@@ -92,6 +92,12 @@ def configure_engine(vllm_config) -> None:
         # interval set by the user is kept: hits fall back to a checkpoint).
         cache_config.prefix_cache_retention_interval = None
 
+    if settings.kernel == "triton" and cache_config.cache_dtype in FP8_FORMATS:
+        raise ValueError(
+            f"rocketkv.kernel='triton' is invalid with kv_cache_dtype="
+            f"{cache_config.cache_dtype}: the Triton kernels read caches in the model "
+            "dtype; allowed 'auto' or 'torch'"
+        )
     if (
         settings.kernel == "triton"
         and not current_platform.is_cuda()
@@ -128,6 +134,40 @@ def configure_engine(vllm_config) -> None:
             example.topk,
             example.topr,
         )
+
+
+def cache_dtype_refusals(cache_config, model_config) -> list[str]:
+    """Why ROCKETKV cannot use this kv_cache_dtype here, if it cannot: fp8
+    caches are read (dequantized) on CPU only, where vLLM's CPU_ATTN stores
+    them (AVX-512 or AMX, blocks of a multiple of 32 tokens)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    dtype = cache_config.cache_dtype
+    if dtype in ("auto", None):
+        return []
+    name = f"kv_cache_dtype={dtype}"
+    if dtype not in FP8_FORMATS:
+        return [f"{name} (allowed: auto, {', '.join(FP8_FORMATS)})"]
+    if not current_platform.is_cpu():
+        return [
+            f"{name} on {current_platform.device_name} (the Triton kernels read caches "
+            "in the model dtype; an fp8 cache is supported on CPU only, use auto)"
+        ]
+    reasons = []
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        reasons.append(f"{name} on this CPU (vLLM's CPU_ATTN stores fp8 with AVX-512 or AMX)")
+    if cache_config.block_size % 32:
+        reasons.append(
+            f"{name} with block_size={cache_config.block_size} (vLLM's CPU_ATTN "
+            "stores fp8 in blocks of a multiple of 32 tokens)"
+        )
+    if model_config.get_head_size() % 32:
+        reasons.append(
+            f"{name} with head size {model_config.get_head_size()} (vLLM's CPU_ATTN "
+            "stores fp8 for head sizes divisible by 32)"
+        )
+    return reasons
 
 
 def unsupported_model_reasons(model_config) -> list[str]:

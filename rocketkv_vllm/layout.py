@@ -10,9 +10,10 @@ One attention layer's cache (LBHNC, what vLLM hands the backend):
       It lives in the padding vLLM allocates after each block (see
       ``kt_cache_view``), so it is counted and freed with the block; the KT
       page table of a sequence is therefore its block table. With
-      kt_dtype "fp8_e4m3" it is uint8 [..., 2*d + 16] instead: rows of
-      ``algorithm.kt_fp8`` (outward-rounded fp8 codes and a scale); every
-      implementation tells the two apart by the tensor's dtype.
+      kt_dtype "fp8_e4m3", or with an fp8 KV cache (uint8: ``fp8_kv``), it
+      is uint8 [..., 2*d + 16] instead: rows of ``algorithm.kt_fp8``
+      (outward-rounded fp8 codes and a scale); every implementation tells
+      the two apart by the tensor's dtype.
 
 A request's logical slot s lives at block ``block_row[s // bs]``, offset
 ``s % bs``. After compression the slots a request attends to are its
@@ -29,11 +30,18 @@ from __future__ import annotations
 import torch
 
 from rocketkv_vllm.algorithm import kt_fp8
+from rocketkv_vllm.fp8_kv import KVQuant, dequantized
+
+
+def kt_format(cache_dtype: torch.dtype, kt_dtype: str) -> str:
+    """The KT rows' format: the setting, except that an fp8 KV cache (uint8
+    codes, whose dtype cannot hold min/max keys) always has fp8 rows."""
+    return "fp8_e4m3" if cache_dtype == torch.uint8 else kt_dtype
 
 
 def kt_row_bytes(head_dim: int, dtype: torch.dtype, kt_dtype: str) -> int:
-    """Bytes of one KT row (one page, one KV head)."""
-    if kt_dtype == "fp8_e4m3":
+    """Bytes of one KT row (one page, one KV head) of a cache of ``dtype``."""
+    if kt_format(dtype, kt_dtype) == "fp8_e4m3":
         return kt_fp8.row_bytes(head_dim)
     assert kt_dtype == "auto", kt_dtype
     return 2 * head_dim * dtype.itemsize
@@ -57,7 +65,7 @@ def kt_cache_view(kv_cache: torch.Tensor, page_size: int, kt_dtype: str = "auto"
         stride=(kv_cache.stride(0) * size, pages * row, row, 1),
         storage_offset=kv_cache.storage_offset() * size + kv_bytes,
     )
-    return rows if kt_dtype == "fp8_e4m3" else rows.view(kv_cache.dtype)
+    return rows if kt_format(kv_cache.dtype, kt_dtype) == "fp8_e4m3" else rows.view(kv_cache.dtype)
 
 
 def kt_bounds(kt_rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +86,12 @@ def kt_rows_of(kt_cache: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -
 KV_LAYOUTS = ("token", "head_rows", "cpu_vec", "cpu_amx")
 
 
-def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views [num_blocks, Hkv, block_size, d] of a layer's cache.
+def split_kv(
+    kv_cache: torch.Tensor, layout: str, quant: KVQuant | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [num_blocks, Hkv, block_size, d] of a layer's cache;
+    with ``quant`` (an ``fp8_kv.KVQuant``: the cache holds fp8 codes) the
+    views read fp32 values (``fp8_kv.Fp8KV``; their ``codes`` are the bytes).
 
     "token": K|V on the last dim of every token (vLLM's FLASH_ATTN and
     TRITON_ATTN); "head_rows": each head's block is [2 * block_size, d], K
@@ -89,6 +101,18 @@ def split_kv(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.T
     "cpu_amx": CPU_ATTN's AMX tiles (``packed_kv.PackedKV`` accessors, not
     tensors: the PyTorch path only).
     """
+    if (kv_cache.dtype == torch.uint8) != (quant is not None):
+        # Reading fp8 codes as numbers would be silently wrong.
+        raise ValueError(
+            f"split_kv: a {kv_cache.dtype} cache with quant={quant}: fp8 caches "
+            "(uint8) are read with their KVQuant, others without"
+        )
+    if quant is not None:
+        return dequantized(*_split(kv_cache, layout), quant)
+    return _split(kv_cache, layout)
+
+
+def _split(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     num_blocks, num_heads, block_size, width = kv_cache.shape
     d = width // 2
     if layout == "token":

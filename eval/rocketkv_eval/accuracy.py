@@ -305,6 +305,7 @@ def make_engine(args, model: str, settings: dict | None, max_model_len: int):
         enforce_eager=True,
         seed=0,
         max_num_seqs=max(1, args.samples),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
@@ -376,6 +377,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's kv_cache_dtype for every engine (fp8, fp8_e4m3, fp8_e5m2: CPUs with "
+        "AVX-512 or AMX)",
+    )
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument(
@@ -458,6 +465,7 @@ def main(argv=None) -> int:
                 "samples": args.samples,
                 "seed": args.seed,
                 "dtype": args.dtype,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "max_tokens": args.max_tokens
                 or {t: eval_tasks.DEFAULT_MAX_TOKENS[t] for t in tasks},
                 "haystack": args.haystack or {t: eval_tasks.DEFAULT_HAYSTACK[t] for t in tasks},

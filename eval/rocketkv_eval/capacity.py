@@ -38,6 +38,7 @@ class CapacityResult:
     wall_s: float
     num_blocks: int
     block_size: int
+    block_bytes: int  # one block of every layer, KT pages included
     blocks_after_prefill: list[int] = field(default_factory=list)
     expected_blocks: int | None = None
     outputs: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -112,6 +113,10 @@ def run_capacity(
     engine = llm.llm_engine
     sched = scheduler(llm)
     num_blocks = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    block_bytes = sum(
+        g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+        for g in sched.kv_cache_config.kv_cache_groups
+    )
 
     preemptions = 0
     original_preempt = sched._preempt_request
@@ -158,6 +163,7 @@ def run_capacity(
         wall_s=round(wall, 2),
         num_blocks=num_blocks,
         block_size=block_size,
+        block_bytes=block_bytes,
         blocks_after_prefill=[after_prefill.get(r, -1) for r in ids],
         outputs=outputs,
     )
@@ -192,6 +198,12 @@ def main(argv=None) -> int:
         "while a prompt fills it: keep it small for hybrid models)",
     )
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's kv_cache_dtype for both methods (fp8 on CPU: AVX-512 or AMX); the cache "
+        "stays sized by --fit-dense requests of the model dtype",
+    )
     ap.add_argument("--methods", default="dense,rocketkv")
     ap.add_argument(
         "--dense-backend", default=None, help="vLLM backend for the dense run (default: platform's)"
@@ -224,7 +236,10 @@ def main(argv=None) -> int:
         )
     )
 
-    caching = {"enable_prefix_caching": not args.no_prefix_caching}
+    caching = {
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     results = []
     for method in args.methods.split(","):
         if method == "dense":
@@ -270,6 +285,8 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "kv_cache_bytes": kv_bytes,
         "prompt_tokens": args.prompt_tokens,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "prefix_caching": not args.no_prefix_caching,
         "results": rows,
     }
@@ -285,14 +302,14 @@ def main(argv=None) -> int:
     )
     print(
         f"{'method':10} {'budget':>6} {'done':>5} {'peak':>5} {'preempt':>8} "
-        f"{'wall s':>7} {'blocks':>7} {'held/request after prefill'}"
+        f"{'wall s':>7} {'blocks':>7} {'KiB/block':>9} {'held/request after prefill'}"
     )
     for r in results:
         expected = f" (expected {r.expected_blocks})" if r.expected_blocks else ""
         print(
             f"{r.method:10} {str(r.budget or '-'):>6} {r.finished:>5} "
             f"{r.peak_decoding:>5} {r.preemptions:>8} {r.wall_s:>7} "
-            f"{r.num_blocks:>7} {r.blocks_after_prefill}{expected}"
+            f"{r.num_blocks:>7} {r.block_bytes / 1024:>9.1f} {r.blocks_after_prefill}{expected}"
         )
     return 0
 

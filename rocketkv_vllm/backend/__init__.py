@@ -32,7 +32,8 @@ class RocketKVBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+    # fp8 on CPU only (``engine.cache_dtype_refusals``, ``fp8_kv``).
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
 
     @staticmethod
     def get_name() -> str:

@@ -18,6 +18,7 @@ from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import native_for_config
 from rocketkv_vllm.backend.stages import HsaRows, stage1_for, stage2_for
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
+from rocketkv_vllm.fp8_kv import FP8_FORMATS, LARGE_CODE, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.plan import max_view_pages
 from rocketkv_vllm.state import worker_state
@@ -114,6 +115,7 @@ class RocketKVImpl(AttentionImpl):
         self.sinks = sinks
         self._sinks_fp32: torch.Tensor | None = None
         choice = native_for_config(vllm_config, has_sink=sinks is not None)
+        self.quantized = kv_cache_dtype in FP8_FORMATS
         self.kv_layout = choice.kv_layout
         self.native = choice.backend.get_impl_cls()(
             num_heads,
@@ -128,7 +130,7 @@ class RocketKVImpl(AttentionImpl):
             kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.stage2 = stage2_for(self.settings, self.kv_layout)
+        self.stage2 = stage2_for(self.settings, self.kv_layout, quantized=self.quantized)
         self.stage1 = stage1_for(self.settings)
         self.window_queries = WindowQueries(
             self.settings.window_size, vllm_config.scheduler_config.max_num_seqs
@@ -169,19 +171,20 @@ class RocketKVImpl(AttentionImpl):
         n = md.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
+        quant = kv_quant_for(self.kv_cache_dtype, layer)
         for r in md.window_rows:
             self.window_queries.keep(r, query)
         for r in md.stage1_rows:
-            self._stage1(r, query, kv_cache)
+            self._stage1(r, query, kv_cache, quant)
         for rows in md.recompute:
-            self._stage2(rows, query, out, kv_cache)
+            self._stage2(rows, query, out, kv_cache, quant)
         if md.decode is not None:
-            self._stage2(md.decode, query, out, kv_cache)
+            self._stage2(md.decode, query, out, kv_cache, quant)
         return output
 
-    def _stage1(self, r: PromptChunkRow, query, kv_cache) -> None:
+    def _stage1(self, r: PromptChunkRow, query, kv_cache, quant) -> None:
         s, plan = self.settings, r.plan
-        k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         with self.counters.stage1_timer(query.device):
             kept = self.stage1.compress(
@@ -201,7 +204,7 @@ class RocketKVImpl(AttentionImpl):
         if self.kept_log is not None:
             self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
         if self.poison_evicted_blocks:
-            self._poison_evicted(kv_cache, r.block_row, plan)
+            self._poison_evicted(kv_cache, r.block_row, plan, quant)
 
     def _sinks(self) -> torch.Tensor | None:
         """The sink logits in fp32 (first converted in the warm-up runs that
@@ -210,7 +213,7 @@ class RocketKVImpl(AttentionImpl):
             self._sinks_fp32 = self.sinks.detach().float().contiguous()
         return self._sinks_fp32
 
-    def _stage2(self, rows: HsaRows, query, out, kv_cache) -> None:
+    def _stage2(self, rows: HsaRows, query, out, kv_cache, quant) -> None:
         sinks = self._sinks()
         if rows.in_place:  # FULL-graph layout (Triton only): row b is token b
             batch = rows.tokens.shape[0]
@@ -218,10 +221,12 @@ class RocketKVImpl(AttentionImpl):
                 query[:batch], kv_cache, rows, self.scale, out=out[:batch], sinks=sinks
             )
             return
-        result = self.stage2.decode(query[rows.tokens], kv_cache, rows, self.scale, sinks=sinks)
+        result = self.stage2.decode(
+            query[rows.tokens], kv_cache, rows, self.scale, sinks=sinks, quant=quant
+        )
         out[rows.tokens] = result.to(out.dtype)
 
-    def _poison_evicted(self, kv_cache, block_row, plan) -> None:
+    def _poison_evicted(self, kv_cache, block_row, plan, quant) -> None:
         """Test aid: fill the blocks the scheduler is about to take back with
         huge keys/values (and NaN KT pages), so any later read of them by
         ROCKETKV changes the output. Finite, because vLLM's kernels read (and
@@ -232,6 +237,6 @@ class RocketKVImpl(AttentionImpl):
         start, end = plan.freed_block_range(s.block_size)
         blocks = block_row[start:end].long()
         if not self.prefix_caching:
-            kv_cache[blocks] = 3.0e4
+            kv_cache[blocks] = 3.0e4 if quant is None else LARGE_CODE[quant.fp8_dtype]
         kt = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         kt[blocks] = 0xFF if kt.dtype == torch.uint8 else float("nan")  # NaN either way

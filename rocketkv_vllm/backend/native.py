@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from vllm.logger import init_logger
 
+from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant
 from rocketkv_vllm.layout import split_kv
 
 # Under the "vllm" logger so records show with vLLM's own formatting.
@@ -27,21 +28,36 @@ class NativeChoice:
     kv_layout: str  # where K and V sit in a block (split_kv)
 
 
-def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> str:
+def cpu_kv_layout(
+    isa: str, dtype: torch.dtype, head_size: int, block_size: int, cache_dtype: str = "auto"
+) -> str:
     """Where CPU_ATTN's kernels for this ISA put K and V in a block, found by
     letting vLLM's own cache write store known values (into each head's
     [2 * block_size, d] halves, as CPU_ATTN's forward passes them) and
-    reading them back through our views."""
+    reading them back through our views (dequantized for an fp8 cache:
+    values that fp8 holds exactly, scales 0.5 and 2)."""
     from vllm import _custom_ops as ops
 
     heads, blocks = 2, 2
+    quant = None
+    if cache_dtype in FP8_FORMATS:
+        quant = KVQuant(FP8_FORMATS[cache_dtype], k_scale=0.5, v_scale=2.0)
     candidates = ("cpu_amx",) if isa == "amx" else ("cpu_vec", "head_rows")
     for layout in candidates:
-        kv_cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+        kv_cache = torch.zeros(
+            blocks,
+            heads,
+            block_size,
+            2 * head_size,
+            dtype=dtype if quant is None else torch.uint8,
+        )
         rows = kv_cache.view(blocks, heads, 2 * block_size, head_size)
         gen = torch.Generator().manual_seed(0)
         key = torch.randn(3, heads, head_size, generator=gen).to(dtype)
         value = torch.randn(3, heads, head_size, generator=gen).to(dtype)
+        if quant is not None:  # representable after the scale: no rounding
+            key = key.to(quant.fp8_dtype).to(dtype) * quant.k_scale
+            value = value.to(quant.fp8_dtype).to(dtype) * quant.v_scale
         slots = torch.tensor([1, block_size + 2, 2 * block_size - 1])
         ops.cpu_attn_reshape_and_cache(
             key,
@@ -50,27 +66,33 @@ def cpu_kv_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int)
             rows[:, :, block_size:],
             slots,
             isa,
-            k_scale=1.0,
-            v_scale=1.0,
-            kv_cache_dtype="auto",
+            k_scale=1.0 if quant is None else quant.k_scale,
+            v_scale=1.0 if quant is None else quant.v_scale,
+            kv_cache_dtype=cache_dtype,
         )
-        k_cache, v_cache = split_kv(kv_cache, layout)
+        k_cache, v_cache = split_kv(kv_cache, layout, quant)
         blk, off = slots // block_size, slots % block_size
-        if torch.equal(k_cache[blk, :, off], key) and torch.equal(v_cache[blk, :, off], value):
+        read_k, read_v = k_cache[blk, :, off].to(dtype), v_cache[blk, :, off].to(dtype)
+        if torch.equal(read_k, key) and torch.equal(read_v, value):
             return layout
     raise NotImplementedError(
         f"ROCKETKV cannot read vLLM CPU_ATTN's KV cache layout for the '{isa}' "
-        f"kernels (dtype {dtype}, block size {block_size}); supported on CPU: the "
-        "vec, vec16 and amx kernels"
+        f"kernels (dtype {dtype}, kv_cache_dtype {cache_dtype}, block size "
+        f"{block_size}); supported on CPU: the vec, vec16 and amx kernels"
     )
 
 
 @functools.cache
 def native_backend(
-    head_size: int, dtype: torch.dtype, block_size: int, has_sink: bool = False
+    head_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    has_sink: bool = False,
+    cache_dtype: str = "auto",
 ) -> NativeChoice:
     """vLLM's own attention backend that ROCKETKV runs dense attention with
-    (for layers with attention sinks when ``has_sink``)."""
+    (for layers with attention sinks when ``has_sink``; ``cache_dtype``:
+    the engine's kv_cache_dtype)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -79,8 +101,9 @@ def native_backend(
             _get_attn_isa,
         )
 
-        isa = _get_attn_isa(dtype, block_size, head_size, "auto")
-        choice = NativeChoice(CPUAttentionBackend, cpu_kv_layout(isa, dtype, head_size, block_size))
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+        layout = cpu_kv_layout(isa, dtype, head_size, block_size, cache_dtype)
+        choice = NativeChoice(CPUAttentionBackend, layout)
     else:
         from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
@@ -112,6 +135,7 @@ def native_for_config(vllm_config, has_sink: bool = False) -> NativeChoice:
         model_config.dtype,
         vllm_config.cache_config.block_size,
         has_sink,
+        vllm_config.cache_config.cache_dtype,
     )
 
 

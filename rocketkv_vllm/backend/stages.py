@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 
 from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
 from rocketkv_vllm.config import RocketKVSettings
+from rocketkv_vllm.fp8_kv import KVQuant
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.ops import pytorch as torch_ops
 
@@ -162,10 +163,13 @@ class Stage2:
         scale: float,
         out: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        quant: KVQuant | None = None,
     ) -> torch.Tensor:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
         layout) rows with seq_len 0 are left as they are. sinks: the layer's
-        [Hq] fp32 sink logits (``algorithm.sinks``), or None."""
+        [Hq] fp32 sink logits (``algorithm.sinks``), or None; quant: the
+        layer's fp8 cache format and scales (``stage2_for(quantized=True)``
+        implementations only)."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):
@@ -191,7 +195,8 @@ class TritonStage2(Stage2):
     name = "Triton kernels"
     pow2_shapes = True
 
-    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None):
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
+        assert quant is None, "the Triton kernels read caches in the model dtype"
         if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
             return self._decode(query, kv_cache, rows, scale, out, sinks)
         per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
@@ -267,9 +272,10 @@ def _row_slice(rows: HsaRows, a: int, b: int) -> HsaRows:
 class CpuStage2(Stage2):
     name = "native CPU kernel"
 
-    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None):
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
         from rocketkv_vllm.ops import cpu as cpu_ops
 
+        assert quant is None, "the C++ kernel reads caches in the model dtype"
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
         return cpu_ops.hsa_decode(
@@ -305,10 +311,10 @@ class TorchStage2(Stage2):
             rows.max_pages,
         )
 
-    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None):
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
-        k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         return torch_ops.hsa_decode(
             query,
             k_cache,
@@ -337,19 +343,27 @@ def uses_triton(settings: RocketKVSettings) -> bool:
 
 
 @functools.cache
-def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
+def stage2_for(settings: RocketKVSettings, kv_layout: str, quantized: bool = False) -> Stage2:
     """The engine's Stage 2: Triton where it runs, on CPU the C++ kernel for
-    CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch."""
+    CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch;
+    PyTorch for an fp8 cache (``quantized``), which only it dequantizes."""
     from rocketkv_vllm.ops import cpu as cpu_ops
 
-    if uses_triton(settings):
+    if quantized:
+        if uses_triton(settings):
+            raise ValueError(
+                "rocketkv.kernel='triton' is invalid with an fp8 KV cache: the Triton "
+                "kernels read caches in the model dtype; allowed 'auto' or 'torch' on CPU"
+            )
+        impl: Stage2 = TorchStage2(settings, kv_layout)
+    elif uses_triton(settings):
         if kv_layout == "cpu_amx":
             raise ValueError(
                 "rocketkv.kernel='triton' is invalid with CPU_ATTN's AMX cache layout "
                 "(bf16, block_size a multiple of 32): allowed 'auto' or 'torch', or "
                 "block_size 16"
             )
-        impl: Stage2 = TritonStage2(settings, kv_layout)
+        impl = TritonStage2(settings, kv_layout)
     elif settings.kernel == "auto" and kv_layout in cpu_ops.LAYOUT_CODES:
         error = cpu_ops.build_error()
         if error is None:

@@ -71,6 +71,7 @@ def compact_kept_tokens(
     dst = torch.arange(count, device=kept.device)[None, :].expand(num_heads, -1)
     dst_blocks, dst_offsets = physical_slots(block_row, dst, block_size)
     for cache in (k_cache, v_cache):
+        cache = getattr(cache, "codes", cache)  # fp8 (``fp8_kv``): move the codes
         moved = cache[src_blocks, heads, src_offsets].clone()
         cache[dst_blocks, heads, dst_offsets] = moved
 

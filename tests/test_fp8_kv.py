@@ -1,0 +1,219 @@
+"""ROCKETKV on an fp8 KV cache (``fp8_kv``), below the engine.
+
+vLLM's CPU_ATTN stores fp8 only on CPUs with AVX-512 or AMX; elsewhere these
+tests skip (say so). The oracles: CPU_ATTN's own cache write and attention
+kernel over the same bytes, and RocketKV's reference path (``paged``) on a
+float cache that holds the values the fp8 cache decodes to.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rocketkv_vllm import paged
+from rocketkv_vllm.backend.stages import TorchStage1
+from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant, kv_quant_for
+from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
+from rocketkv_vllm.ops import pytorch as torch_ops
+
+ops = pytest.importorskip("vllm._custom_ops")
+from rocketkv_vllm.backend.native import cpu_kv_layout  # noqa: E402
+
+AMX = torch.cpu._is_amx_tile_supported()
+needs_fp8_cpu = pytest.mark.skipif(
+    not (AMX or torch.cpu._is_avx512_supported()),
+    reason="vLLM's CPU_ATTN stores fp8 KV only with AVX-512 or AMX",
+)
+ISAS = [
+    (torch.float32, "vec", "cpu_vec"),
+    (torch.bfloat16, "vec", "cpu_vec"),
+    pytest.param(
+        torch.bfloat16,
+        "amx",
+        "cpu_amx",
+        marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU"),
+    ),
+]
+K_SCALE, V_SCALE = 0.05, 0.03  # ~ amax / 448 of unit-variance keys: calibrated-like
+
+
+def _fp8_cache(num_blocks, hkv, bs, d, pages):
+    """A padded uint8 cache as the ROCKETKV spec allocates it (KT rows after
+    each block's K/V)."""
+    block_bytes = hkv * bs * 2 * d + hkv * pages * kt_row_bytes(d, torch.uint8, "auto")
+    storage = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8)
+    return storage.as_strided((num_blocks, hkv, bs, 2 * d), (block_bytes, bs * 2 * d, 2 * d, 1))
+
+
+def _store(kv, keys, values, slots, isa, cache_dtype):
+    """CPU_ATTN's own cache write (quantizes with the scales)."""
+    num_blocks, hkv, bs, d2 = kv.shape
+    rows = kv.view(num_blocks, hkv, 2 * bs, d2 // 2)
+    ops.cpu_attn_reshape_and_cache(
+        keys,
+        values,
+        rows[:, :, :bs],
+        rows[:, :, bs:],
+        slots,
+        isa,
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+        kv_cache_dtype=cache_dtype,
+    )
+
+
+@needs_fp8_cpu
+@pytest.mark.parametrize("cache_dtype", list(FP8_FORMATS))
+@pytest.mark.parametrize("dtype,isa,expected", ISAS)
+def test_views_decode_what_cpu_attn_stores_as_its_kernel_does(cache_dtype, dtype, isa, expected):
+    """CPU_ATTN writes fp8 codes with the layer's scales; its attention
+    kernel over those bytes equals dense attention over our dequantized
+    views, and each value read is the stored one to fp8's precision."""
+    hkv, g, d, bs, num_blocks, n = 2, 3, 64, 32, 10, 150
+    layout = cpu_kv_layout(isa, dtype, d, bs, cache_dtype)
+    assert layout == expected
+    quant = KVQuant(FP8_FORMATS[cache_dtype], K_SCALE, V_SCALE)
+    kv = _fp8_cache(num_blocks, hkv, bs, d, bs // 8)
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randperm(num_blocks, generator=gen)[: -(-n // bs)]
+    slots = row[torch.arange(n) // bs] * bs + torch.arange(n) % bs
+    keys = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    values = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    _store(kv, keys, values, slots, isa, cache_dtype)
+    k_cache, v_cache = split_kv(kv, layout, quant)
+    read_k, read_v = paged.gather_kv(k_cache, v_cache, row, torch.arange(n))
+    # e4m3 keeps 3 mantissa bits, e5m2 2: within one step of the stored value.
+    step = 2.0**-3 if quant.fp8_dtype == torch.float8_e4m3fn else 2.0**-2
+    for read, want in ((read_k, keys.float()), (read_v, values.float())):
+        assert ((read - want).abs() <= step * want.abs() + 1e-2).all()
+        assert not torch.equal(read, want)  # really quantized
+    q = torch.randn(1, hkv * g, d, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    seq = torch.tensor([n], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1,
+        num_heads=hkv * g,
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=seq,
+        dtype=dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+        kv_cache_dtype=cache_dtype,
+    )
+    rows = kv.view(num_blocks, hkv, 2 * bs, d)
+    ops.cpu_attention_with_kv_cache(
+        query=q,
+        key_cache=rows[:, :, :bs],
+        value_cache=rows[:, :, bs:],
+        output=out,
+        query_start_loc=qsl,
+        seq_lens=seq,
+        scale=d**-0.5,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=row[None].int(),
+        softcap=0,
+        scheduler_metadata=meta,
+        s_aux=None,
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+        kv_cache_dtype=cache_dtype,
+    )
+    ref = paged.dense_attention(q.float(), torch.tensor([n - 1]), k_cache, v_cache, row, n, d**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@needs_fp8_cpu
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype,isa,layout", ISAS)
+def test_stages_on_fp8_equal_the_reference_on_the_decoded_values(cache_dtype, dtype, isa, layout):
+    """Stage 1 (window scores, compaction, KT pages) and the batched Stage 2
+    on the fp8 cache give what the per-request reference gives on a float
+    cache holding the decoded values (KT rows in fp8 there too: an fp8 KV
+    cache always has fp8 KT rows); compaction moves the stored codes."""
+    hkv, g, d, bs, ps, num_blocks, n = 2, 3, 64, 32, 4, 40, 1000
+    budget, w, kernel = 300, 32, 7
+    quant = KVQuant(FP8_FORMATS[cache_dtype], K_SCALE, V_SCALE)
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.randn(n + 1, hkv, d, generator=gen).to(dtype)
+    values = torch.randn(n + 1, hkv, d, generator=gen).to(dtype)
+    q_win = torch.randn(w, hkv * g, d, generator=gen)
+    query = torch.randn(1, hkv * g, d, generator=gen)
+    row = torch.randperm(num_blocks, generator=gen)[: -(-(n + 1) // bs)]
+    slots = row[torch.arange(n + 1) // bs] * bs + torch.arange(n + 1) % bs
+
+    kv8 = _fp8_cache(num_blocks, hkv, bs, d, bs // ps)
+    _store(kv8, keys[:n], values[:n], slots[:n], isa, cache_dtype)
+    k8, v8 = split_kv(kv8, layout, quant)
+    kt8 = kt_cache_view(kv8, ps)
+    assert kt8.dtype == torch.uint8  # fp8 rows, though kt_dtype is "auto"
+    codes_before = split_kv(kv8.clone(), layout, quant)
+
+    # fp32, room for fp8 KT rows behind each block
+    block_elems = hkv * bs * 2 * d + hkv * (bs // ps) * kt_row_bytes(d, torch.uint8, "auto")
+    twin = torch.zeros(num_blocks * block_elems).as_strided(
+        (num_blocks, hkv, bs, 2 * d), (block_elems, bs * 2 * d, 2 * d, 1)
+    )
+    kf, vf = split_kv(twin, "token")
+    ktf = kt_cache_view(twin, ps, "fp8_e4m3")
+    paged.write_kv(kf, vf, *paged.gather_kv(k8, v8, row, torch.arange(n)), slots[:n])
+
+    tail = n // bs * bs
+    kept = TorchStage1().compress(k8, v8, kt8, row, q_win, n, budget, tail, kernel, ps, 0.125)
+    want = paged.snapkv_compress(kf, vf, ktf, row, q_win, n, budget, tail, kernel, ps, 0.125)
+    assert torch.equal(kept, want)
+    num_compact = budget - (n - tail)
+    # Head h's j-th kept token now sits at slot j: its codes, moved as stored.
+    src_k, src_v = (c.codes for c in codes_before)
+    dst_k, dst_v = k8.codes, v8.codes
+    for h in range(hkv):
+        src_blocks, src_off = row[kept[h, :num_compact] // bs], kept[h, :num_compact] % bs
+        dst = torch.arange(num_compact)
+        dst_blocks, dst_off = row[dst // bs], dst % bs
+        assert torch.equal(dst_k[dst_blocks, h, dst_off], src_k[src_blocks, h, src_off])
+        assert torch.equal(dst_v[dst_blocks, h, dst_off], src_v[src_blocks, h, src_off])
+
+    # One decode token (CPU_ATTN writes it), then Stage 2 on both.
+    _store(kv8, keys[n:], values[n:], slots[n:], isa, cache_dtype)
+    paged.write_kv(kf, vf, *paged.gather_kv(k8, v8, row, torch.tensor([n])), slots[n:])
+    nc, ts, seq = torch.tensor([num_compact]), torch.tensor([tail]), torch.tensor([n + 1])
+    max_pages = int(-(-nc // ps) + -(-(seq - ts) // ps))
+    pages = torch_ops.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
+    topk, topr = 64, 32
+    out = torch_ops.hsa_decode(
+        query, k8, v8, kt8, row[None].int(), seq, pages, torch.tensor([topr]),
+        torch.tensor([topk // ps]), topk // ps, ps, 0.125, True,
+    )  # fmt: skip
+    ref = paged.hsa_decode(
+        query[0], kf, vf, ktf, row, num_compact, tail, n + 1, topk, topr, ps, 0.125, True
+    )
+    torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kt8[row], ktf[row])  # KT pages, the decode's update included
+
+
+def test_layer_scales_and_formats():
+    layer = SimpleNamespace(_k_scale_float=0.25, _v_scale_float=4.0)
+    assert kv_quant_for("auto", layer) is None
+    assert kv_quant_for("fp8", layer) == KVQuant(torch.float8_e4m3fn, 0.25, 4.0)
+    assert kv_quant_for("fp8_e4m3", layer) == KVQuant(torch.float8_e4m3fn, 0.25, 4.0)
+    assert kv_quant_for("fp8_e5m2", layer) == KVQuant(torch.float8_e5m2, 0.25, 4.0)
+
+
+def test_fp8_codes_are_never_read_as_numbers():
+    """A uint8 (fp8) cache split without its quantization, or a float cache
+    with one, is refused: reading codes as values would be silently wrong."""
+    codes = torch.zeros(2, 1, 32, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fp8 caches"):
+        split_kv(codes, "cpu_vec")
+    with pytest.raises(ValueError, match="fp8 caches"):
+        split_kv(codes.float(), "cpu_vec", KVQuant(torch.float8_e4m3fn, 1.0, 1.0))
+    k, v = split_kv(codes, "cpu_vec", KVQuant(torch.float8_e4m3fn, 1.0, 1.0))
+    assert k.dtype == torch.float32 and k.codes.dtype == torch.uint8
