@@ -24,6 +24,10 @@
 // KT rows are [min | max] in the cache dtype, or (uint8 kt_cache) the fp8
 // rows of rocketkv_vllm/algorithm/kt_fp8.py: 2d e4m3 codes, rounded outward,
 // and a power-of-two fp32 scale.
+// An fp8 KV cache (vLLM's kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) is uint8
+// in the same layouts, one byte per element: each a code of value / scale
+// with the layer's k or v scale (rocketkv_vllm/fp8_kv.py); its KT rows are
+// always the fp8 rows.
 // Optional attention sinks (gpt-oss): one fp32 logit per query head, compared
 // with the scaled logits, that joins the exact attention's softmax
 // denominator and has no value (rocketkv_vllm/algorithm/sinks.py).
@@ -118,6 +122,30 @@ inline float fp8_value(uint32_t code, float scale) {
   return float_from_bits((normal & is_normal) | (sub & ~is_normal) | ((code & 0x80) << 24));
 }
 
+// K and V elements as floats: the cache dtype's, or (FP8_KV) fp8 codes in
+// format `fmt` (1 e4m3, 2 e5m2) times the layer's k or v scale.
+template <bool FP8_KV>
+struct KvDecode {
+  int64_t fmt;
+  float k_scale, v_scale;
+
+  template <typename E>
+  inline float value(E x, float scale) const {
+    if constexpr (FP8_KV) {
+      const float v = fmt == 1
+          ? static_cast<float>(c10::Float8_e4m3fn(x, c10::Float8_e4m3fn::from_bits()))
+          : static_cast<float>(c10::Float8_e5m2(x, c10::Float8_e5m2::from_bits()));
+      return v * scale;
+    } else {
+      return to_float(x);
+    }
+  }
+  template <typename E>
+  inline float key(E x) const { return value(x, k_scale); }
+  template <typename E>
+  inline float val(E x) const { return value(x, v_scale); }
+};
+
 // KT row access: [min | max] as 2d floats, in either format.
 template <typename T, bool FP8>
 struct KtRows {
@@ -173,16 +201,16 @@ struct KtRows {
 // 32-bit words (K: two channels of one token, consecutive tokens in
 // consecutive words; V: one channel of two neighbouring tokens): one load per
 // pair, and the tokens of a page come from the same cache lines.
-template <typename T, int LAYOUT>
-inline void load_tokens(const Cache<LAYOUT>& cache, const T* head, int64_t s0, int64_t n,
-                        float* keys, float* vals) {
+template <typename E, int LAYOUT, bool FP8_KV>
+inline void load_tokens(const Cache<LAYOUT>& cache, const KvDecode<FP8_KV>& kvd, const E* head,
+                        int64_t s0, int64_t n, float* keys, float* vals) {
   const int64_t d = cache.d, bs = cache.bs;
-  if constexpr (LAYOUT == 2 && std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (LAYOUT == 2 && std::is_same_v<E, c10::BFloat16>) {
     uint32_t word;
     for (int64_t s = s0; s < s0 + n;) {
       // K: word (c / 2) * 16 + s % 16 of the 16-token group holding s.
       const int64_t run = std::min<int64_t>(s0 + n - s, 16 - s % 16);
-      const T* k = head + (s / 16) * 16 * d + (s % 16) * 2;
+      const E* k = head + (s / 16) * 16 * d + (s % 16) * 2;
       float* rows = keys + (s - s0) * d;
       for (int64_t c = 0; c < d; c += 2)
         for (int64_t j = 0; j < run; ++j) {
@@ -192,10 +220,10 @@ inline void load_tokens(const Cache<LAYOUT>& cache, const T* head, int64_t s0, i
         }
       s += run;
     }
-    const T* v = head + bs * d;
+    const E* v = head + bs * d;
     for (int64_t s = s0; s < s0 + n; s = (s | 1) + 1) {
       // V: tokens s & ~1 and s | 1 share one word per channel.
-      const T* pair = v + (s / 2) * 32;
+      const E* pair = v + (s / 2) * 32;
       const bool has_even = s % 2 == 0, has_odd = (s | 1) < s0 + n;
       float* even = has_even ? vals + (s - s0) * d : nullptr;
       float* odd = has_odd ? vals + ((s | 1) - s0) * d : nullptr;
@@ -209,24 +237,26 @@ inline void load_tokens(const Cache<LAYOUT>& cache, const T* head, int64_t s0, i
   } else {
     for (int64_t j = 0; j < n; ++j)
       for (int64_t c = 0; c < d; ++c) {
-        keys[j * d + c] = to_float(head[cache.k_off(s0 + j, c)]);
-        vals[j * d + c] = to_float(head[cache.v_off(s0 + j, c)]);
+        keys[j * d + c] = kvd.key(head[cache.k_off(s0 + j, c)]);
+        vals[j * d + c] = kvd.val(head[cache.v_off(s0 + j, c)]);
       }
   }
 }
 
-template <typename T, int LAYOUT, bool FP8>
+template <typename T, int LAYOUT, bool FP8, bool FP8_KV>
 void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
                      torch::Tensor& kt_cache, const torch::Tensor& block_table,
                      const torch::Tensor& num_compact, const torch::Tensor& tail_start,
                      const torch::Tensor& seq_lens, const torch::Tensor& topr,
                      const torch::Tensor& num_select, int64_t page_size, double scale,
-                     bool force_current_page, const float* sinks, torch::Tensor& out) {
+                     bool force_current_page, const float* sinks, const KvDecode<FP8_KV>& kvd,
+                     torch::Tensor& out) {
+  using E = std::conditional_t<FP8_KV, uint8_t, T>;  // a KV element
   const int64_t B = query.size(0), Hq = query.size(1), d = query.size(2);
   const int64_t Hkv = kv_cache.size(1), bs = kv_cache.size(2);
   const int64_t G = Hq / Hkv;
   const Cache<LAYOUT> cache{kv_cache.stride(0), kv_cache.stride(1), bs, d};
-  T* kv = kv_cache.data_ptr<T>();
+  E* kv = static_cast<E*>(kv_cache.data_ptr());
   using Kt = KtRows<T, FP8>;
   const Kt kt_rows{d};
   auto* kt = static_cast<typename Kt::Elem*>(kt_cache.data_ptr());
@@ -250,13 +280,13 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       const int64_t pos = sl_p[b] - 1;
       if (pos < 0) continue;
       const int64_t block = table[b * table_stride + pos / bs], off = pos % bs;
-      T* head = kv + block * cache.block_stride + h * cache.head_stride;
+      E* head = kv + block * cache.block_stride + h * cache.head_stride;
       auto* page = kt + block * kt_sb + h * kt_sh + (off / ps) * kt_sp;
       const bool fresh = pos % ps == 0;
       std::vector<float> row(2 * d);
       kt_rows.read(page, row.data());
       for (int64_t c = 0; c < d; ++c) {
-        const float key = to_float(head[cache.k_off(off, c)]);
+        const float key = kvd.key(head[cache.k_off(off, c)]);
         row[c] = fresh ? key : std::min(row[c], key);
         row[d + c] = fresh ? key : std::max(row[d + c], key);
       }
@@ -359,8 +389,8 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       // A page lies in one block (page_size divides block_size).
       const int64_t slot = page_start[p];
       const int64_t block = table[b * table_stride + slot / bs];
-      const T* head = kv + block * cache.block_stride + h * cache.head_stride;
-      load_tokens(cache, head, slot % bs, page_tokens[p], &keys[t * d], &vals[t * d]);
+      const E* head = kv + block * cache.block_stride + h * cache.head_stride;
+      load_tokens(cache, kvd, head, slot % bs, page_tokens[p], &keys[t * d], &vals[t * d]);
       t += page_tokens[p];
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -404,20 +434,27 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
 // contiguous 2*bs*d run, blocks and heads at any stride); kt_cache
 // [num_blocks, Hkv, bs/page_size, 2d] (last dim contiguous), or uint8
 // [..., 2d + 16] fp8 rows; int32 [B]
-// columns; sinks: None or [Hq] sink logits (any float dtype). Returns [B, Hq, d]
-// in query's dtype.
+// columns; sinks: None or [Hq] sink logits (any float dtype); kv_format 0
+// (kv_cache in query's dtype) or, for a uint8 kv_cache of fp8 codes, 1 (e4m3)
+// or 2 (e5m2) with the layer's k_scale and v_scale. Returns [B, Hq, d] in
+// query's dtype.
 torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor kt_cache,
                          torch::Tensor block_table, torch::Tensor num_compact,
                          torch::Tensor tail_start, torch::Tensor seq_lens, torch::Tensor topr,
                          torch::Tensor num_select, int64_t page_size, double scale,
                          bool force_current_page, int64_t layout,
-                         std::optional<torch::Tensor> sinks) {
+                         std::optional<torch::Tensor> sinks, int64_t kv_format, double k_scale,
+                         double v_scale) {
   TORCH_CHECK(query.device().is_cpu(), "hsa_decode: CPU tensors only");
   const bool fp8_kt = kt_cache.scalar_type() == at::ScalarType::Byte;
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type() &&
+  const bool fp8_kv = kv_format != 0;
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "hsa_decode: kv_format must be 0, 1 or 2");
+  TORCH_CHECK((fp8_kv ? kv_cache.scalar_type() == at::ScalarType::Byte && fp8_kt
+                      : kv_cache.scalar_type() == query.scalar_type()) &&
                   (fp8_kt || kt_cache.scalar_type() == query.scalar_type()),
               "hsa_decode: query, kv_cache and kt_cache must share a dtype "
-              "(or kt_cache holds uint8 fp8 rows)");
+              "(or kt_cache holds uint8 fp8 rows; an fp8 kv_cache is uint8 codes with "
+              "fp8 KT rows)");
   TORCH_CHECK(kt_cache.size(3) == (fp8_kt ? 2 * query.size(2) + 16 : 2 * query.size(2)),
               "hsa_decode: KT rows must hold 2 * head_dim values (+16 bytes in fp8)");
   TORCH_CHECK(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
@@ -447,14 +484,22 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "hsa_decode", [&] {
         auto run = [&](auto layout_tag) {
-          if (fp8_kt)
-            hsa_decode_impl<scalar_t, decltype(layout_tag)::value, true>(
+          constexpr int L = decltype(layout_tag)::value;
+          if (fp8_kv)
+            hsa_decode_impl<scalar_t, L, true, true>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, out);
+                force_current_page, sink_p,
+                KvDecode<true>{kv_format, static_cast<float>(k_scale),
+                               static_cast<float>(v_scale)},
+                out);
+          else if (fp8_kt)
+            hsa_decode_impl<scalar_t, L, true, false>(
+                q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+                force_current_page, sink_p, KvDecode<false>{0, 1.f, 1.f}, out);
           else
-            hsa_decode_impl<scalar_t, decltype(layout_tag)::value, false>(
+            hsa_decode_impl<scalar_t, L, false, false>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, out);
+                force_current_page, sink_p, KvDecode<false>{0, 1.f, 1.f}, out);
         };
         if (layout == 1) run(std::integral_constant<int, 1>{});
         else if (layout == 2) run(std::integral_constant<int, 2>{});

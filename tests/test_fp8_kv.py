@@ -15,6 +15,7 @@ from rocketkv_vllm import paged
 from rocketkv_vllm.backend.stages import TorchStage1
 from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
+from rocketkv_vllm.ops import cpu as cpu_ops
 from rocketkv_vllm.ops import pytorch as torch_ops
 
 ops = pytest.importorskip("vllm._custom_ops")
@@ -188,6 +189,7 @@ def test_stages_on_fp8_equal_the_reference_on_the_decoded_values(cache_dtype, dt
     max_pages = int(-(-nc // ps) + -(-(seq - ts) // ps))
     pages = torch_ops.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
     topk, topr = 64, 32
+    before_stage2 = torch.as_strided(kv8._base.clone(), kv8.shape, kv8.stride())
     out = torch_ops.hsa_decode(
         query, k8, v8, kt8, row[None].int(), seq, pages, torch.tensor([topr]),
         torch.tensor([topk // ps]), topk // ps, ps, 0.125, True,
@@ -197,6 +199,14 @@ def test_stages_on_fp8_equal_the_reference_on_the_decoded_values(cache_dtype, dt
     )
     torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(kt8[row], ktf[row])  # KT pages, the decode's update included
+    # The C++ Stage 2 reads the codes itself: the same output and KT update.
+    kt_native = kt_cache_view(before_stage2, ps)
+    native = cpu_ops.hsa_decode(
+        query, before_stage2, kt_native, layout, row[None].int(), nc, ts, seq,
+        torch.tensor([topr]), torch.tensor([topk // ps]), ps, 0.125, True, quant=quant,
+    )  # fmt: skip
+    torch.testing.assert_close(native, out, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kt_native[row], kt8[row])
 
 
 def test_layer_scales_and_formats():

@@ -91,6 +91,7 @@ def run_method(
         disable_log_stats=False,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=0,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
@@ -209,6 +210,7 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
         "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens,
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }
     tag = model_tag(args.model)  # a second prepared model writes its own file
@@ -229,6 +231,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--methods", default="dense,token_budget=256")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's kv_cache_dtype for every method (fp8 on CPU: AVX-512 or AMX)",
+    )
     ap.add_argument(
         "--max-model-len",
         type=int,

@@ -168,8 +168,8 @@ class Stage2:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
         layout) rows with seq_len 0 are left as they are. sinks: the layer's
         [Hq] fp32 sink logits (``algorithm.sinks``), or None; quant: the
-        layer's fp8 cache format and scales (``stage2_for(quantized=True)``
-        implementations only)."""
+        layer's fp8 format and scales when the cache holds fp8 codes (the
+        CPU implementations only)."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):
@@ -275,7 +275,6 @@ class CpuStage2(Stage2):
     def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
         from rocketkv_vllm.ops import cpu as cpu_ops
 
-        assert quant is None, "the C++ kernel reads caches in the model dtype"
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
         return cpu_ops.hsa_decode(
@@ -293,6 +292,7 @@ class CpuStage2(Stage2):
             scale,
             s.force_current_page,
             sinks=sinks,
+            quant=quant,
         )
 
 
@@ -345,25 +345,23 @@ def uses_triton(settings: RocketKVSettings) -> bool:
 @functools.cache
 def stage2_for(settings: RocketKVSettings, kv_layout: str, quantized: bool = False) -> Stage2:
     """The engine's Stage 2: Triton where it runs, on CPU the C++ kernel for
-    CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch;
-    PyTorch for an fp8 cache (``quantized``), which only it dequantizes."""
+    CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch.
+    ``quantized``: an fp8 cache, which the CPU implementations read."""
     from rocketkv_vllm.ops import cpu as cpu_ops
 
-    if quantized:
-        if uses_triton(settings):
-            raise ValueError(
-                "rocketkv.kernel='triton' is invalid with an fp8 KV cache: the Triton "
-                "kernels read caches in the model dtype; allowed 'auto' or 'torch' on CPU"
-            )
-        impl: Stage2 = TorchStage2(settings, kv_layout)
-    elif uses_triton(settings):
+    if quantized and uses_triton(settings):
+        raise ValueError(
+            "rocketkv.kernel='triton' is invalid with an fp8 KV cache: the Triton "
+            "kernels read caches in the model dtype; allowed 'auto' or 'torch' on CPU"
+        )
+    if uses_triton(settings):
         if kv_layout == "cpu_amx":
             raise ValueError(
                 "rocketkv.kernel='triton' is invalid with CPU_ATTN's AMX cache layout "
                 "(bf16, block_size a multiple of 32): allowed 'auto' or 'torch', or "
                 "block_size 16"
             )
-        impl = TritonStage2(settings, kv_layout)
+        impl: Stage2 = TritonStage2(settings, kv_layout)
     elif settings.kernel == "auto" and kv_layout in cpu_ops.LAYOUT_CODES:
         error = cpu_ops.build_error()
         if error is None:

@@ -5,7 +5,7 @@ machine under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) and loaded in every process that needs it.
 Same math as ``ops.pytorch.hsa_decode``, its test oracle; it reads the KV
 cache in CPU_ATTN's own layouts (``layout.split_kv``: head_rows, cpu_vec,
-cpu_amx) through the raw per-layer cache tensor.
+cpu_amx) through the raw per-layer cache tensor, fp8 codes included.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from importlib import resources
 
 import torch
 
+from rocketkv_vllm.fp8_kv import KVQuant
+
 LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's kv_format
 
 
 @functools.cache
@@ -58,11 +61,13 @@ def hsa_decode(
     scale: float,
     force_current_page: bool,
     sinks: torch.Tensor | None = None,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, d]; kv_cache the layer's [num_blocks, Hkv, bs, 2d] cache;
     kt_cache ``layout.kt_cache_view``; [B] integer columns as in ``HsaRows``;
     sinks: optional [Hq] sink logits (fp32, or any float dtype: converted),
-    in the exact attention's softmax only (``algorithm.sinks``).
+    in the exact attention's softmax only (``algorithm.sinks``); quant: the
+    layer's fp8 format and scales when kv_cache holds fp8 codes (``fp8_kv``).
     Updates the KT pages of each row's newest token; returns [B, Hq, d]."""
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
@@ -81,4 +86,7 @@ def hsa_decode(
         force_current_page,
         LAYOUT_CODES[layout],
         sinks,
+        0 if quant is None else FP8_CODES[quant.fp8_dtype],
+        1.0 if quant is None else quant.k_scale,
+        1.0 if quant is None else quant.v_scale,
     )
