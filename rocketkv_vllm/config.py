@@ -156,7 +156,7 @@ class RocketKVConfig:
     kt_dtype: str = knob(
         "auto",
         "KT pages (per-page min/max keys) in the model dtype (`auto`) or in "
-        "fp8 rounded outward (`fp8_e4m3`: about half the bytes)",
+        "fp8 rounded outward (`fp8_e4m3`: about half the bytes; always with an fp8 KV cache)",
         kind=KT_DTYPE_CHOICES,
     )
     free_evicted_blocks: bool = knob(

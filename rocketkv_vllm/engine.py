@@ -144,11 +144,12 @@ def cache_dtype_refusals(cache_config, model_config) -> list[str]:
     from vllm.platforms import current_platform
 
     dtype = cache_config.cache_dtype
-    if dtype in ("auto", None):
+    model_dtype = str(model_config.dtype).removeprefix("torch.")
+    if dtype in ("auto", None, model_dtype):  # "bfloat16" for a bf16 model is auto
         return []
     name = f"kv_cache_dtype={dtype}"
     if dtype not in FP8_FORMATS:
-        return [f"{name} (allowed: auto, {', '.join(FP8_FORMATS)})"]
+        return [f"{name} (allowed: auto, {model_dtype}, {', '.join(FP8_FORMATS)})"]
     if not current_platform.is_cpu():
         return [
             f"{name} on {current_platform.device_name} (the Triton kernels read caches "

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import cpu_attn_decode
 
 from rocketkv_vllm import paged
 from rocketkv_vllm.backend.stages import TorchStage1
@@ -90,43 +91,7 @@ def test_views_decode_what_cpu_attn_stores_as_its_kernel_does(cache_dtype, dtype
         assert ((read - want).abs() <= step * want.abs() + 1e-2).all()
         assert not torch.equal(read, want)  # really quantized
     q = torch.randn(1, hkv * g, d, generator=gen).to(dtype)
-    out = torch.empty_like(q)
-    qsl = torch.tensor([0, 1], dtype=torch.int32)
-    seq = torch.tensor([n], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1,
-        num_heads=hkv * g,
-        num_kv_heads=hkv,
-        head_dim=d,
-        seq_lens=seq,
-        dtype=dtype,
-        query_start_loc=qsl,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=False,
-        kv_cache_dtype=cache_dtype,
-    )
-    rows = kv.view(num_blocks, hkv, 2 * bs, d)
-    ops.cpu_attention_with_kv_cache(
-        query=q,
-        key_cache=rows[:, :, :bs],
-        value_cache=rows[:, :, bs:],
-        output=out,
-        query_start_loc=qsl,
-        seq_lens=seq,
-        scale=d**-0.5,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=row[None].int(),
-        softcap=0,
-        scheduler_metadata=meta,
-        s_aux=None,
-        k_scale=K_SCALE,
-        v_scale=V_SCALE,
-        kv_cache_dtype=cache_dtype,
-    )
+    out = cpu_attn_decode(q, kv, row, n, isa, cache_dtype, K_SCALE, V_SCALE)
     ref = paged.dense_attention(q.float(), torch.tensor([n - 1]), k_cache, v_cache, row, n, d**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)

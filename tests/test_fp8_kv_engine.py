@@ -63,6 +63,8 @@ def _run(llm, prompts: dict, names) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(model_path, tokenizer) -> dict:
+    with pytest.raises(Exception, match="kv_cache_dtype=bfloat16 .allowed: auto, float32"):
+        make_llm(model_path, "ROCKETKV", SETTINGS, kv_cache_dtype="bfloat16")
     if not FP8_CPU:
         pytest.skip("vLLM's CPU_ATTN stores fp8 KV only with AVX-512 or AMX")
     from rocketkv_vllm.config import settings_for
@@ -202,6 +204,8 @@ def test_unsupported_fp8_settings_are_refused_at_startup(model_path):
         make_llm(model_path, "ROCKETKV", SETTINGS, kv_cache_dtype="fp8", block_size=16)
     with pytest.raises(Exception, match="rocketkv.kernel='triton' is invalid"):
         make_llm(model_path, "ROCKETKV", dict(SETTINGS, kernel="triton"), kv_cache_dtype="fp8")
+    with pytest.raises(Exception, match="kv_cache_dtype=bfloat16 .allowed: auto, float32"):
+        make_llm(model_path, "ROCKETKV", SETTINGS, kv_cache_dtype="bfloat16")
     if not FP8_CPU:
         with pytest.raises(Exception, match="AVX-512 or AMX"):
             make_llm(model_path, "ROCKETKV", SETTINGS, kv_cache_dtype="fp8")

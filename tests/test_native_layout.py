@@ -8,6 +8,7 @@ reads what our compaction writes). vLLM CPU build only.
 
 import pytest
 import torch
+from conftest import cpu_attn_decode
 
 from rocketkv_vllm import paged
 from rocketkv_vllm.layout import kt_cache_view, split_kv  # noqa: E402
@@ -60,40 +61,7 @@ def test_native_kernel_reads_what_our_views_hold(dtype, isa, bs, expected):
     slots = row[torch.arange(n) // bs] * bs + torch.arange(n) % bs
     paged.write_kv(k_cache, v_cache, keys, values, slots)
     q = torch.randn(1, hkv * g, d, generator=gen).to(dtype)
-    out = torch.empty_like(q)
-    qsl = torch.tensor([0, 1], dtype=torch.int32)
-    seq = torch.tensor([n], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1,
-        num_heads=hkv * g,
-        num_kv_heads=hkv,
-        head_dim=d,
-        seq_lens=seq,
-        dtype=dtype,
-        query_start_loc=qsl,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=False,
-    )
-    # CPU_ATTN's forward hands its kernel each head's block as [2 * bs, d] halves.
-    rows = kv.view(num_blocks, hkv, 2 * bs, d)
-    ops.cpu_attention_with_kv_cache(
-        query=q,
-        key_cache=rows[:, :, :bs],
-        value_cache=rows[:, :, bs:],
-        output=out,
-        query_start_loc=qsl,
-        seq_lens=seq,
-        scale=d**-0.5,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=row[None].int(),
-        softcap=0,
-        scheduler_metadata=meta,
-        s_aux=None,
-    )
+    out = cpu_attn_decode(q, kv, row, n, isa)
     ref = paged.dense_attention(q, torch.tensor([n - 1]), k_cache, v_cache, row, n, d**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)

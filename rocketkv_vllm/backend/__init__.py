@@ -32,8 +32,16 @@ class RocketKVBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    # fp8 on CPU only (``engine.cache_dtype_refusals``, ``fp8_kv``).
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    # fp8 on CPU only, float16 / bfloat16 when they are the model's dtype
+    # (``engine.cache_dtype_refusals``, ``fp8_kv``).
+    supported_kv_cache_dtypes: ClassVar[list] = [
+        "auto",
+        "float16",
+        "bfloat16",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+    ]
 
     @staticmethod
     def get_name() -> str:
