@@ -254,3 +254,57 @@ def test_dense_hybrid_engine_with_the_host_tier(runs):
     torch.testing.assert_close(
         dense["logprobs"]["from-host"], dense["logprobs"]["second-question"], rtol=0, atol=1e-3
     )
+
+
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU_ATTN stores fp8 KV only with AVX-512 or AMX",
+)
+def test_fp8_kv_cache_on_a_hybrid_model(gemma3, cases):
+    """Gemma 3 with an fp8 KV cache (sliding-window layers in CPU_ATTN's fp8,
+    full layers compressed by ROCKETKV on fp8, given-back blocks poisoned):
+    an uncompressed prompt gives CPU_ATTN fp8's tokens and logprobs (each
+    alone: vLLM's fp8 attention depends on the batch), the compressed ones
+    find the needles dense fp8 finds."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_vllm.state import worker_state
+
+    names = ("short", "needle-1.5k", "needle-2.5k")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    results, kept = {}, None
+    for backend in ("CPU_ATTN", "ROCKETKV"):
+        llm = make_llm(
+            gemma3,
+            backend,
+            BUDGET if backend == "ROCKETKV" else None,
+            {"poison_evicted_blocks": True, "record_kept_positions": True}
+            if backend == "ROCKETKV"
+            else None,
+            max_model_len=4096,
+            kv_cache_memory_bytes=1 << 29,
+            block_size=32,
+            max_num_batched_tokens=1024,
+            kv_cache_dtype="fp8",
+        )
+        try:
+            for name in names:
+                prompt = TokensPrompt(prompt_token_ids=cases[name].token_ids)
+                (out,) = llm.generate([prompt], params, use_tqdm=False)
+                c = out.outputs[0]
+                lps = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                results[backend, name] = (list(c.token_ids), lps, c.text)
+            if backend == "ROCKETKV":
+                kept = [n for n, _ in worker_state(llm.llm_engine.vllm_config).kept_positions]
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    dense, ours = results["CPU_ATTN", "short"], results["ROCKETKV", "short"]
+    assert ours[0] == dense[0]
+    torch.testing.assert_close(ours[1], dense[1], rtol=0, atol=1e-3)
+    assert sorted(kept) == sorted(3 * [len(cases[n].token_ids) for n in names[1:]])
+    for name in names[1:]:
+        refs = cases[name].references
+        assert score(results["CPU_ATTN", name][2], refs) == 100.0, results["CPU_ATTN", name]
+        assert score(results["ROCKETKV", name][2], refs) == 100.0, results["ROCKETKV", name]
