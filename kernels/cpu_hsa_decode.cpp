@@ -123,27 +123,34 @@ inline float fp8_value(uint32_t code, float scale) {
 }
 
 // K and V elements as floats: the cache dtype's, or (FP8_KV) fp8 codes in
-// format `fmt` (1 e4m3, 2 e5m2) times the layer's k or v scale.
+// format `fmt` (1 e4m3, 2 e5m2) times the layer's k or v scale, looked up in
+// two 256-entry tables built once per call (NaN codes stay NaN).
 template <bool FP8_KV>
 struct KvDecode {
-  int64_t fmt;
-  float k_scale, v_scale;
+  float k_table[FP8_KV ? 256 : 1], v_table[FP8_KV ? 256 : 1];
 
-  template <typename E>
-  inline float value(E x, float scale) const {
+  KvDecode(int64_t fmt, float k_scale, float v_scale) {
     if constexpr (FP8_KV) {
-      const float v = fmt == 1
-          ? static_cast<float>(c10::Float8_e4m3fn(x, c10::Float8_e4m3fn::from_bits()))
-          : static_cast<float>(c10::Float8_e5m2(x, c10::Float8_e5m2::from_bits()));
-      return v * scale;
-    } else {
-      return to_float(x);
+      for (int code = 0; code < 256; ++code) {
+        const uint8_t bits = static_cast<uint8_t>(code);
+        const float v = fmt == 1
+            ? static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()))
+            : static_cast<float>(c10::Float8_e5m2(bits, c10::Float8_e5m2::from_bits()));
+        k_table[code] = v * k_scale;
+        v_table[code] = v * v_scale;
+      }
     }
   }
   template <typename E>
-  inline float key(E x) const { return value(x, k_scale); }
+  inline float key(E x) const {
+    if constexpr (FP8_KV) return k_table[x];
+    else return to_float(x);
+  }
   template <typename E>
-  inline float val(E x) const { return value(x, v_scale); }
+  inline float val(E x) const {
+    if constexpr (FP8_KV) return v_table[x];
+    else return to_float(x);
+  }
 };
 
 // KT row access: [min | max] as 2d floats, in either format.
@@ -489,17 +496,17 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
             hsa_decode_impl<scalar_t, L, true, true>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
                 force_current_page, sink_p,
-                KvDecode<true>{kv_format, static_cast<float>(k_scale),
-                               static_cast<float>(v_scale)},
+                KvDecode<true>(kv_format, static_cast<float>(k_scale),
+                               static_cast<float>(v_scale)),
                 out);
           else if (fp8_kt)
             hsa_decode_impl<scalar_t, L, true, false>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, KvDecode<false>{0, 1.f, 1.f}, out);
+                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), out);
           else
             hsa_decode_impl<scalar_t, L, false, false>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, KvDecode<false>{0, 1.f, 1.f}, out);
+                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), out);
         };
         if (layout == 1) run(std::integral_constant<int, 1>{});
         else if (layout == 2) run(std::integral_constant<int, 2>{});
