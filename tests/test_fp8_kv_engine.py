@@ -209,3 +209,32 @@ def test_unsupported_fp8_settings_are_refused_at_startup(model_path):
     if not FP8_CPU:
         with pytest.raises(Exception, match="AVX-512 or AMX"):
             make_llm(model_path, "ROCKETKV", SETTINGS, kv_cache_dtype="fp8")
+
+
+@needs_fp8_cpu
+def test_openai_server_with_an_fp8_cache(model_path, tokenizer):
+    """`vllm serve --attention-backend ROCKETKV --kv-cache-dtype fp8`: a long
+    prompt is compressed on the fp8 cache, its blocks given back, and the
+    needle found."""
+    from test_serve import Server
+
+    from rocketkv_eval.needle import is_correct
+
+    server = Server(model_path, {"token_budget": 256}, extra=["--kv-cache-dtype", "fp8"])
+    try:
+        server.wait_ready()
+        case = build_needle_prompt(tokenizer, 3000, 0.5, seed=3)
+        out = server.client().completions.create(
+            model=model_path, prompt=case.prompt, max_tokens=16, temperature=0.0
+        )
+        assert is_correct(out.choices[0].text, case), out.choices[0].text
+        counters = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in server.metrics().splitlines()
+            if line.startswith("rocketkv:") and "_total{" in line
+        }
+        assert counters["rocketkv:prompts_compressed_total"] == 1
+        assert counters["rocketkv:kv_blocks_freed_total"] > 0
+    finally:
+        log = server.stop()
+    assert "KV layout cpu_" in log  # ROCKETKV's worker probed the fp8 layout
