@@ -18,7 +18,7 @@ from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import native_for_config
 from rocketkv_vllm.backend.stages import HsaRows, stage1_for, stage2_for
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
-from rocketkv_vllm.fp8_kv import FP8_FORMATS, LARGE_CODE, kv_quant_for
+from rocketkv_vllm.fp8_kv import LARGE_CODE, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.plan import max_view_pages
 from rocketkv_vllm.state import worker_state
@@ -115,7 +115,6 @@ class RocketKVImpl(AttentionImpl):
         self.sinks = sinks
         self._sinks_fp32: torch.Tensor | None = None
         choice = native_for_config(vllm_config, has_sink=sinks is not None)
-        self.quantized = kv_cache_dtype in FP8_FORMATS
         self.kv_layout = choice.kv_layout
         self.native = choice.backend.get_impl_cls()(
             num_heads,
@@ -130,7 +129,7 @@ class RocketKVImpl(AttentionImpl):
             kv_sharing_target_layer_name,
             sinks=sinks,
         )
-        self.stage2 = stage2_for(self.settings, self.kv_layout, quantized=self.quantized)
+        self.stage2 = stage2_for(self.settings, self.kv_layout)
         self.stage1 = stage1_for(self.settings)
         self.window_queries = WindowQueries(
             self.settings.window_size, vllm_config.scheduler_config.max_num_seqs

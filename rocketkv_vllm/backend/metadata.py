@@ -36,7 +36,6 @@ from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.backend.native import native_for_config, native_for_layers
 from rocketkv_vllm.backend.stages import HsaRows, stage2_for, uses_triton
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
-from rocketkv_vllm.fp8_kv import FP8_FORMATS
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
 from rocketkv_vllm.state import PromptLengths, worker_state
 
@@ -133,11 +132,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             kv_cache_spec, layer_names, vllm_config, device
         )
         self.reorder_batch_threshold = self.native.reorder_batch_threshold
-        self.stage2 = stage2_for(
-            self.settings,
-            native.kv_layout,
-            quantized=vllm_config.cache_config.cache_dtype in FP8_FORMATS,
-        )
+        self.stage2 = stage2_for(self.settings, native.kv_layout)
         self.state = worker_state(vllm_config)
         self.prompt_lengths = PromptLengths(self.state.requests)
         self.plans = PlanCache(self.settings)

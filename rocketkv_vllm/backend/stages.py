@@ -343,17 +343,13 @@ def uses_triton(settings: RocketKVSettings) -> bool:
 
 
 @functools.cache
-def stage2_for(settings: RocketKVSettings, kv_layout: str, quantized: bool = False) -> Stage2:
+def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
     """The engine's Stage 2: Triton where it runs, on CPU the C++ kernel for
     CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch.
-    ``quantized``: an fp8 cache, which the CPU implementations read."""
+    Both CPU implementations read fp8 caches (Triton with fp8 is refused at
+    startup: ``engine.configure_engine``)."""
     from rocketkv_vllm.ops import cpu as cpu_ops
 
-    if quantized and uses_triton(settings):
-        raise ValueError(
-            "rocketkv.kernel='triton' is invalid with an fp8 KV cache: the Triton "
-            "kernels read caches in the model dtype; allowed 'auto' or 'torch' on CPU"
-        )
     if uses_triton(settings):
         if kv_layout == "cpu_amx":
             raise ValueError(
