@@ -9,6 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
+from rocketkv_vllm.fp8_kv import Fp8KV
+
+# fp8 formats of a KV cache's codes, as the kernels' FP8 constexpr (0: none)
+FP8_FORMAT_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter."""
@@ -34,6 +39,33 @@ def mma(a, b, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision="ieee")
+
+
+def kv_operand(cache) -> tuple[torch.Tensor, int, float]:
+    """(tensor, FP8, scale) a kernel takes for one K or V cache view: an
+    ``fp8_kv.Fp8KV`` (``split_kv`` with the layer's quant) gives its uint8
+    codes, its format (FP8 1: e4m3, 2: e5m2) and scale; a view in a float
+    dtype is itself, 0, 1.0. Raw uint8 views are refused: fp8 codes read as
+    numbers would be silently wrong."""
+    if isinstance(cache, Fp8KV):
+        return cache.codes, FP8_FORMAT_CODES[cache.fp8_dtype], float(cache.scale)
+    assert cache.dtype != torch.uint8, (
+        "an fp8 KV cache is read through fp8_kv.Fp8KV views (split_kv with the layer's quant)"
+    )
+    return cache, 0, 1.0
+
+
+@triton.jit
+def kv_values(x, scale, FP8: tl.constexpr):
+    """Loaded cache elements as numbers: fp8 codes (FP8 1: e4m3, 2: e5m2)
+    times the layer's scale in fp32, as vLLM's TRITON_ATTN reads them; a
+    cache in a float dtype as stored."""
+    if FP8 == 1:
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    elif FP8 == 2:
+        return x.to(tl.float8e5, bitcast=True).to(tl.float32) * scale
+    else:
+        return x
 
 
 def next_pow2(x: int) -> int:

@@ -44,6 +44,8 @@ from rocketkv_vllm.kernels._utils import (
     cdiv,
     check_kv_cache,
     head_pad,
+    kv_operand,
+    kv_values,
     next_pow2,
 )
 from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
@@ -90,7 +92,7 @@ def _compact_kernel(
             + src_off * stride_ks
             + cols[None, :] * stride_kd,
             mask=mask,
-            other=0.0,
+            other=0,
         )
         v_rows = tl.load(
             v_ptr
@@ -99,7 +101,7 @@ def _compact_kernel(
             + src_off * stride_vs
             + cols[None, :] * stride_vd,
             mask=mask,
-            other=0.0,
+            other=0,
         )
         tl.debug_barrier()  # all of this tile's reads before any of its writes
         tl.store(
@@ -130,6 +132,7 @@ def _kt_pages_kernel(
     lo,
     hi,
     num_pages,
+    k_scale,
     stride_kb,
     stride_kh,
     stride_ks,
@@ -143,6 +146,7 @@ def _kt_pages_kernel(
     PS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     KT_FP8: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -157,8 +161,8 @@ def _kt_pages_kernel(
     kmax = tl.full([BLOCK_P, D_PAD], float("-inf"), tl.float32)
     for i in tl.static_range(PS):
         ok = (p_ok & (start + i < hi))[:, None] & d_ok[None, :]
-        k = tl.load(base + (off + i)[:, None] * stride_ks, mask=ok, other=0.0)
-        k = k.to(tl.float32)
+        k = tl.load(base + (off + i)[:, None] * stride_ks, mask=ok, other=0)
+        k = kv_values(k, k_scale, FP8).to(tl.float32)
         kmin = tl.where(ok, tl.minimum(kmin, k), kmin)
         kmax = tl.where(ok, tl.maximum(kmax, k), kmax)
     row = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp
@@ -180,9 +184,10 @@ def compact_kept_tokens(
     """Move head h's K and V at logical slot kept[h, j] to slot j, in place.
 
     k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides
-    arbitrary); kept: [Hkv, C] integer, each row strictly
-    increasing (so kept[h, j] >= j).
+    arbitrary; an fp8 cache's ``fp8_kv.Fp8KV`` views: their codes move);
+    kept: [Hkv, C] integer, each row strictly increasing (so kept[h, j] >= j).
     """
+    k_cache, v_cache = kv_operand(k_cache)[0], kv_operand(v_cache)[0]
     hkv, bs, d = check_kv_cache(k_cache, v_cache)
     assert kept.dim() == 2 and kept.shape[0] == hkv
     count = kept.shape[1]
@@ -220,11 +225,13 @@ def write_kt_pages(
 ) -> None:
     """Recompute the KT pages covering logical slots [lo, hi) from the keys
     in [lo, hi) only (lo page aligned); same semantics as
-    ``ops.pytorch.write_kt_pages``. k_cache: [num_blocks, Hkv, bs, d] view."""
+    ``ops.pytorch.write_kt_pages``. k_cache: [num_blocks, Hkv, bs, d] view
+    (an fp8 cache's ``fp8_kv.Fp8KV``: pages of the dequantized keys)."""
     lo, hi = int(lo), int(hi)
     if hi <= lo:
         return
     assert lo % page_size == 0
+    k_cache, fp8, k_scale = kv_operand(k_cache)
     hkv, bs, d = check_kv_cache(k_cache)
     assert bs % page_size == 0 and kt_cache.stride(-1) == 1
     assert kt_cache.shape[2] == bs // page_size
@@ -238,6 +245,7 @@ def write_kt_pages(
         lo,
         hi,
         num_pages,
+        k_scale,
         *cache_strides(k_cache),
         kt_cache.stride(0),
         kt_cache.stride(1),
@@ -248,5 +256,6 @@ def write_kt_pages(
         PS=page_size,
         BLOCK_P=block_p,
         KT_FP8=kt_cache.dtype == torch.uint8,
+        FP8=fp8,
         num_warps=4,
     )

@@ -29,6 +29,7 @@ from rocketkv_vllm.kernels._utils import (
     dot_upcast,
     group_pad,
     head_pad,
+    kv_operand,
     row_vectors,
 )
 from rocketkv_vllm.kernels.sparse_decode import (
@@ -61,6 +62,8 @@ def _dense_decode_kernel(
     num_splits,
     tiles_per_split,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_bt,
@@ -83,6 +86,7 @@ def _dense_decode_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -119,6 +123,9 @@ def _dense_decode_kernel(
             stride_vh,
             stride_vs,
             stride_vd,
+            k_scale,
+            v_scale,
+            FP8,
         )
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(
@@ -161,11 +168,16 @@ def dense_decode(
 ) -> torch.Tensor:
     """Decode attention of query [B, Hq, d] over slots [0, seq_lens[b]) of
     each row (max_seq_len: a Python int >= every seq_lens[b]); k_cache,
-    v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary); block_n:
-    tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache); sinks:
+    v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary; fp8
+    caches as ``fp8_kv.Fp8KV`` views, see ``sparse_decode``); block_n:
+    tokens a tile (at most FP32_TILE_TOKENS for fp32); sinks:
     optional [Hq] sink logits (fp32; ``algorithm.sinks``)."""
-    query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks)
-    if k_cache.dtype == torch.float32:  # see sparse_decode.launch_options
+    k_cache, fp8, k_scale = kv_operand(k_cache)
+    v_cache, v_fp8, v_scale = kv_operand(v_cache)
+    assert v_fp8 == fp8, "K and V of one cache share its format"
+    query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks, fp8)
+    dtype = query.dtype
+    if dtype == torch.float32:  # see sparse_decode.launch_options
         block_n = min(block_n, FP32_TILE_TOKENS)
     batch = query.shape[0]
     assert block_table.stride(-1) == 1
@@ -199,6 +211,8 @@ def dense_decode(
         splits,
         tiles_per_split,
         float(scale) * _LOG2E,
+        k_scale,
+        v_scale,
         query.stride(0),
         query.stride(1),
         block_table.stride(0),
@@ -212,10 +226,11 @@ def dense_decode(
         D_PAD=head_pad(d),
         BS=bs,
         BLOCK_N=block_n,
-        UPCAST=dot_upcast(k_cache.dtype),
+        UPCAST=dot_upcast(dtype),
         DIRECT=direct,
         SINKS=sinks is not None,
-        **launch_options(k_cache.dtype),
+        FP8=fp8,
+        **launch_options(dtype),
     )
     if not direct:
         merge_splits(o_part, lse_part, out, seq_lens, splits, group, d, sinks)

@@ -34,6 +34,8 @@ from rocketkv_vllm.kernels._utils import (
     cache_strides,
     check_kv_cache,
     head_pad,
+    kv_operand,
+    kv_values,
     next_pow2,
     row_vectors,
 )
@@ -63,6 +65,7 @@ def _kt_update_kernel(
     stride_tp,
     stride_nb,
     stride_nh,
+    k_scale,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BS: tl.constexpr,
@@ -70,6 +73,7 @@ def _kt_update_kernel(
     PS_PAD: tl.constexpr,
     WRITE_KV: tl.constexpr,
     KT_FP8: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -98,9 +102,9 @@ def _kt_update_kernel(
             ok = (i < PS) & ((page_lo + i) < seq)
         mask = ok[:, None] & d_ok[None, :]
         k = tl.load(
-            base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd, mask=mask, other=0.0
+            base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd, mask=mask, other=0
         )
-        k = k.to(tl.float32)
+        k = kv_values(k, k_scale, FP8).to(tl.float32)
         kmin = tl.min(tl.where(mask, k, float("inf")), 0)
         kmax = tl.max(tl.where(mask, k, float("-inf")), 0)
         if WRITE_KV:
@@ -124,6 +128,10 @@ def _kt_update_kernel(
 
 
 def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, value):
+    k_cache, fp8, k_scale = kv_operand(k_cache)
+    if v_cache is not None:
+        v_cache, _, _ = kv_operand(v_cache)
+    assert not (fp8 and key is not None), "write_kv_and_kt stores model-dtype caches only"
     hkv, bs, d = check_kv_cache(k_cache, v_cache)
     assert bs % page_size == 0 and kt_cache.stride(-1) == 1
     assert kt_cache.shape[2] == bs // page_size
@@ -157,6 +165,7 @@ def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, v
         kt_cache.stride(2),
         stride_nb,
         stride_nh,
+        k_scale,
         D=d,
         D_PAD=head_pad(d),
         BS=bs,
@@ -164,6 +173,7 @@ def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, v
         PS_PAD=max(2, next_pow2(page_size)),
         WRITE_KV=write,
         KT_FP8=kt_cache.dtype == torch.uint8,
+        FP8=fp8,
         num_warps=1 if page_size * d <= 1024 else 2,
     )
 
@@ -176,7 +186,8 @@ def kt_update(
     page_size: int,
 ) -> None:
     """Refresh the KT page of each row's newest token (its key already
-    stored in ``k_cache`` [num_blocks, Hkv, bs, d] at slot seq_lens[b] - 1).
+    stored in ``k_cache`` [num_blocks, Hkv, bs, d] at slot seq_lens[b] - 1;
+    an fp8 cache's ``fp8_kv.Fp8KV`` view: pages of the dequantized keys).
     block_table [B, max_blocks] int32, seq_lens [B] integer, both on the
     cache's device."""
     _launch(k_cache, None, kt_cache, block_table, seq_lens, page_size, None, None)

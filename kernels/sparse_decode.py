@@ -45,6 +45,8 @@ from rocketkv_vllm.kernels._utils import (
     dot_upcast,
     group_pad,
     head_pad,
+    kv_operand,
+    kv_values,
     mma,
     next_pow2,
     num_sms,
@@ -58,7 +60,11 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
     """One online-softmax step of G_pad queries over a K/V tile ([N, D_PAD];
-    tokens with ok == False are ignored)."""
+    tokens with ok == False are ignored). Dequantized fp8 tiles (fp32) go
+    into the dots in the query's dtype, as in TRITON_ATTN; other tiles
+    already have it."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = mma(q, tl.trans(k), UPCAST) * scale_log2
     s = tl.where(ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,7 +72,7 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST: tl.constexpr):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
+    acc = acc * alpha[:, None] + mma(p.to(q.dtype), v, UPCAST)
     return m_new, l_i, acc
 
 
@@ -161,16 +167,20 @@ def _load_kv(
     stride_vh,
     stride_vs,
     stride_vd,
+    k_scale,
+    v_scale,
+    FP8: tl.constexpr,
 ):
     """K and V tiles [N, D_PAD] of head h at (block blk, offset off) per
-    token, each through its own strides; tokens with ok == False read 0.
-    A channel stride of 1 is specialized by Triton (unit-stride loads)."""
+    token, each through its own strides, as numbers (fp8 codes dequantized:
+    ``kv_values``); tokens with ok == False read 0. A channel stride of 1
+    is specialized by Triton (unit-stride loads)."""
     mask = ok[:, None] & d_ok[None, :]
     k_row = k_ptr + blk * stride_kb + h * stride_kh + off * stride_ks
     v_row = v_ptr + blk * stride_vb + h * stride_vh + off * stride_vs
-    k = tl.load(k_row[:, None] + d[None, :] * stride_kd, mask=mask, other=0.0)
-    v = tl.load(v_row[:, None] + d[None, :] * stride_vd, mask=mask, other=0.0)
-    return k, v
+    k = tl.load(k_row[:, None] + d[None, :] * stride_kd, mask=mask, other=0)
+    v = tl.load(v_row[:, None] + d[None, :] * stride_vd, mask=mask, other=0)
+    return kv_values(k, k_scale, FP8), kv_values(v, v_scale, FP8)
 
 
 @triton.jit
@@ -193,6 +203,8 @@ def _sparse_decode_kernel(
     num_splits,
     extra,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_bt,
@@ -216,6 +228,7 @@ def _sparse_decode_kernel(
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     SINKS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -270,6 +283,9 @@ def _sparse_decode_kernel(
             stride_vh,
             stride_vs,
             stride_vd,
+            k_scale,
+            v_scale,
+            FP8,
         )
         m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, scale_log2, UPCAST)
     _store_result(
@@ -388,14 +404,14 @@ def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d, sinks=No
     )
 
 
-def _prepare(query, k_cache, v_cache, out, sinks=None):
+def _prepare(query, k_cache, v_cache, out, sinks=None, fp8=0):
     hkv, bs, d = check_kv_cache(k_cache, v_cache)
     batch, hq, dq = query.shape
     assert dq == d and hq % hkv == 0
     if sinks is not None:
         assert sinks.shape == (hq,), f"sinks must be [num_q_heads={hq}], got {tuple(sinks.shape)}"
         sinks = sinks.float().contiguous()  # no copy for the usual fp32 vector
-    if query.dtype != k_cache.dtype:
+    if not fp8 and query.dtype != k_cache.dtype:  # fp8: the query's dtype computes
         query = query.to(k_cache.dtype)
     if query.stride(-1) != 1:
         query = query.contiguous()
@@ -429,13 +445,19 @@ def sparse_decode(
     its first min(max(topk[b] // page_size, 1) + extra_pages, P[b], n_sel));
     per-row
     scalars are device integer tensors [B]; block_table [B, max_blocks].
-    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary).
-    Returns ``out`` [B, Hq, d] (allocated in the cache dtype if not given).
-    tile_tokens: tokens a tile (at most FP32_TILE_TOKENS for an fp32 cache).
+    k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary),
+    or ``fp8_kv.Fp8KV`` views of an fp8 cache (dequantized on load; the
+    query's dtype computes).
+    Returns ``out`` [B, Hq, d] (allocated in the compute dtype if not given).
+    tile_tokens: tokens a tile (at most FP32_TILE_TOKENS for fp32).
     sinks: optional [Hq] sink logits (fp32; ``algorithm.sinks``).
     """
-    query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks)
-    if k_cache.dtype == torch.float32:
+    k_cache, fp8, k_scale = kv_operand(k_cache)
+    v_cache, v_fp8, v_scale = kv_operand(v_cache)
+    assert v_fp8 == fp8, "K and V of one cache share its format"
+    query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks, fp8)
+    dtype = query.dtype  # what the dots run in: the cache's, or the query's (fp8)
+    if dtype == torch.float32:
         tile_tokens = min(tile_tokens, FP32_TILE_TOKENS)
     batch = query.shape[0]
     assert sel.shape[:2] == (batch, hkv) and sel.stride(-1) == 1
@@ -477,6 +499,8 @@ def sparse_decode(
         splits,
         int(extra_pages),
         float(scale) * _LOG2E,
+        k_scale,
+        v_scale,
         query.stride(0),
         query.stride(1),
         block_table.stride(0),
@@ -491,10 +515,11 @@ def sparse_decode(
         BS=bs,
         PS=page_size,
         PAGES_PER_TILE=pages_per_tile,
-        UPCAST=dot_upcast(k_cache.dtype),
+        UPCAST=dot_upcast(dtype),
         DIRECT=direct,
         SINKS=sinks is not None,
-        **launch_options(k_cache.dtype),
+        FP8=fp8,
+        **launch_options(dtype),
     )
     if not direct:
         merge_splits(o_part, lse_part, out, seq_lens, splits, group, d, sinks)

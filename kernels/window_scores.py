@@ -40,6 +40,8 @@ from rocketkv_vllm.kernels._utils import (
     check_kv_cache,
     dot_upcast,
     head_pad,
+    kv_operand,
+    kv_values,
     mma,
 )
 
@@ -53,6 +55,8 @@ def _chunked_dot(
     row_ok,
     k_ok,
     stride_kd,
+    k_scale,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D: tl.constexpr,
@@ -68,9 +72,8 @@ def _chunked_dot(
         dc = c0 + tl.arange(0, DK)
         dc_ok = dc < D
         q = tl.load(q_rows + dc[None, :], mask=row_ok[:, None] & dc_ok[None, :], other=0.0)
-        k = tl.load(
-            k_rows + dc[None, :] * stride_kd, mask=k_ok[:, None] & dc_ok[None, :], other=0.0
-        )
+        k = tl.load(k_rows + dc[None, :] * stride_kd, mask=k_ok[:, None] & dc_ok[None, :], other=0)
+        k = kv_values(k, k_scale, FP8)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), s, input_precision="ieee")
     return s
 
@@ -87,6 +90,7 @@ def _window_stats_kernel(
     num_rows_pad,
     num_chunks,
     scale_log2,
+    k_scale,
     stride_qw,
     stride_qh,
     stride_kb,
@@ -103,6 +107,7 @@ def _window_stats_kernel(
     CHUNK: tl.constexpr,
     UPCAST: tl.constexpr,
     DK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     rb = tl.program_id(1)
@@ -129,12 +134,24 @@ def _window_stats_kernel(
         k_rows = k_ptr + blk[:, None] * stride_kb + h * stride_kh + (keys % BS)[:, None] * stride_ks
         if DK == D_PAD:
             k = tl.load(
-                k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0.0
+                k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0
             )
+            k = kv_values(k, k_scale, FP8)
             s = mma(q, tl.trans(k.to(q.dtype)), UPCAST)
         else:
             s = _chunked_dot(
-                q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D, D_PAD, DK
+                q_rows,
+                k_rows,
+                row_ok,
+                k_ok,
+                stride_kd,
+                k_scale,
+                FP8,
+                BLOCK_M,
+                BLOCK_N,
+                D,
+                D_PAD,
+                DK,
             )
         s = s * scale_log2
         valid = k_ok[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -159,6 +176,7 @@ def _window_colsum_kernel(
     num_rows,
     num_rows_pad,
     scale_log2,
+    k_scale,
     stride_qw,
     stride_qh,
     stride_kb,
@@ -174,6 +192,7 @@ def _window_colsum_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DK: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     keys = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,7 +202,8 @@ def _window_colsum_kernel(
     blk = tl.load(bt_ptr + keys // BS, mask=k_ok, other=0).to(tl.int64)
     k_rows = k_ptr + blk[:, None] * stride_kb + h * stride_kh + (keys % BS)[:, None] * stride_ks
     if DK == D_PAD:
-        k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_rows + d[None, :] * stride_kd, mask=k_ok[:, None] & d_ok[None, :], other=0)
+        k = kv_values(k, k_scale, FP8)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, num_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
@@ -197,7 +217,18 @@ def _window_colsum_kernel(
             s = mma(q, tl.trans(k.to(q.dtype)), UPCAST)
         else:
             s = _chunked_dot(
-                q_rows, k_rows, row_ok, k_ok, stride_kd, BLOCK_M, BLOCK_N, D, D_PAD, DK
+                q_rows,
+                k_rows,
+                row_ok,
+                k_ok,
+                stride_kd,
+                k_scale,
+                FP8,
+                BLOCK_M,
+                BLOCK_N,
+                D,
+                D_PAD,
+                DK,
             )
         s = s * scale_log2
         p = tl.exp2(s - lse[:, None])
@@ -218,18 +249,20 @@ def window_scores(
     """Window attention mass of the prompt keys: [Hkv, N - w] fp32.
 
     q_win: [w, Hq, d] (queries of prompt positions N-w .. N-1, RoPE applied),
-    k_cache: [num_blocks, Hkv, bs, d] key view (all strides arbitrary),
-    block_row: the request's block table row
+    k_cache: [num_blocks, Hkv, bs, d] key view (all strides arbitrary; an
+    fp8 cache's ``fp8_kv.Fp8KV`` view: keys dequantized into the query's
+    dtype), block_row: the request's block table row
     (int32/int64), N = num_prompt_tokens >= w; sinks: optional [Hq] sink
     logits (fp32).
     """
+    k_cache, fp8, k_scale = kv_operand(k_cache)
     hkv, bs, d = check_kv_cache(k_cache)
     w, hq, dq = q_win.shape
     assert dq == d and hq % hkv == 0
     n = int(num_prompt_tokens)
     assert n >= w
     group = hq // hkv
-    if q_win.dtype != k_cache.dtype:
+    if not fp8 and q_win.dtype != k_cache.dtype:
         q_win = q_win.float()  # the kernel casts keys to the query dtype
     if q_win.stride(-1) != 1:
         q_win = q_win.contiguous()
@@ -264,6 +297,7 @@ def window_scores(
         rows_pad,
         num_chunks,
         scale_log2,
+        k_scale,
         q_win.stride(0),
         q_win.stride(1),
         *cache_strides(k_cache),
@@ -277,6 +311,7 @@ def window_scores(
         CHUNK=chunk,
         UPCAST=upcast,
         DK=dk,
+        FP8=fp8,
         num_warps=4,
     )
     m = part_m.amax(dim=1)  # every row sees key 0, so m is finite
@@ -301,6 +336,7 @@ def window_scores(
             num_rows,
             rows_pad,
             scale_log2,
+            k_scale,
             q_win.stride(0),
             q_win.stride(1),
             *cache_strides(k_cache),
@@ -313,6 +349,7 @@ def window_scores(
             BLOCK_N=block_n,
             UPCAST=upcast,
             DK=dk,
+            FP8=fp8,
             num_warps=4,
         )
     return out

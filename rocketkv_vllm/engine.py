@@ -92,12 +92,6 @@ def configure_engine(vllm_config) -> None:
         # interval set by the user is kept: hits fall back to a checkpoint).
         cache_config.prefix_cache_retention_interval = None
 
-    if settings.kernel == "triton" and cache_config.cache_dtype in FP8_FORMATS:
-        raise ValueError(
-            f"rocketkv.kernel='triton' is invalid with kv_cache_dtype="
-            f"{cache_config.cache_dtype}: the Triton kernels read caches in the model "
-            "dtype; allowed 'auto' or 'torch'"
-        )
     if (
         settings.kernel == "triton"
         and not current_platform.is_cuda()
@@ -138,8 +132,10 @@ def configure_engine(vllm_config) -> None:
 
 def cache_dtype_refusals(cache_config, model_config) -> list[str]:
     """Why ROCKETKV cannot use this kv_cache_dtype here, if it cannot: fp8
-    caches are read (dequantized) on CPU only, where vLLM's CPU_ATTN stores
-    them (AVX-512 or AMX, blocks of a multiple of 32 tokens)."""
+    caches (per-tensor scales) are read where the dense backend ROCKETKV runs
+    with stores them: vLLM's TRITON_ATTN on NVIDIA GPUs of compute
+    capability 8.9 or newer, CPU_ATTN on CPUs with AVX-512 or AMX (blocks
+    of a multiple of 32 tokens, head sizes divisible by 32)."""
     import torch
     from vllm.platforms import current_platform
 
@@ -150,11 +146,16 @@ def cache_dtype_refusals(cache_config, model_config) -> list[str]:
     name = f"kv_cache_dtype={dtype}"
     if dtype not in FP8_FORMATS:
         return [f"{name} (allowed: auto, {model_dtype}, {', '.join(FP8_FORMATS)})"]
+    if current_platform.is_cuda():
+        if not current_platform.has_device_capability(89):
+            return [
+                f"{name} on {current_platform.get_device_name()} (vLLM's TRITON_ATTN, "
+                "which ROCKETKV runs dense attention with on an fp8 cache, needs compute "
+                "capability 8.9 or newer for fp8; use auto)"
+            ]
+        return []
     if not current_platform.is_cpu():
-        return [
-            f"{name} on {current_platform.device_name} (the Triton kernels read caches "
-            "in the model dtype; an fp8 cache is supported on CPU only, use auto)"
-        ]
+        return [f"{name} on {current_platform.device_name} (supported on NVIDIA GPUs and CPUs)"]
     reasons = []
     if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
         reasons.append(f"{name} on this CPU (vLLM's CPU_ATTN stores fp8 with AVX-512 or AMX)")

@@ -9,14 +9,14 @@
 # finds the plugin) go into a generated rocketkv_vllm dist-info beside it.
 #
 # Steps, in this order, each under `timeout` with its own limit in seconds (0 skips the step); the
-# defaults add up to 570 s, inside one 10-minute device command:
+# defaults add up to 585 s, inside one 10-minute device command:
 #   model          GPU_CHECK_MODEL_S=40          SmolLM2 rebuilt from the carried GGUF slices
 #                  ($MODEL_STAGE/smollm2.gguf.NN + smollm2-meta.tar.xz, scripts/gpu_model.py) into
 #                  $MODEL_DIR, then used as ROCKETKV_GPU_MODEL; skipped when that is already set
 #   kernels        GPU_CHECK_KERNELS_S=90        compile check + Triton kernel tests, on CUDA
-#   gpu-tests      GPU_CHECK_TESTS_S=300         tests/test_gpu.py -m gpu (engines + vllm serve)
+#   gpu-tests      GPU_CHECK_TESTS_S=340         tests/test_gpu.py -m gpu (engines + vllm serve)
 #   bench-kernels  GPU_CHECK_BENCH_KERNELS_S=45  scripts/bench_kernels.py, 4k/32k x batch 1/8
-#   bench-e2e      GPU_CHECK_BENCH_E2E_S=95      scripts/bench_e2e.py, 4 x 4,000 tokens + 64
+#   bench-e2e      GPU_CHECK_BENCH_E2E_S=70      scripts/bench_e2e.py, 4 x 4,000 tokens + 64
 # Results, written as each step ends, in $OUT (default results/gpu): summary.txt (card, versions,
 # then one line a step: name, exit code (124 or 137: timed out), seconds), STEP.log each,
 # gpu-tests.xml (JUnit), kernels-h200.json, e2e-h200.json. Continues after a failed step; exit
@@ -92,13 +92,13 @@ fi
 XDIST=()
 "$PY" -c 'import xdist' 2> /dev/null && XDIST=(-n 8)
 step kernels "${GPU_CHECK_KERNELS_S:-90}" "$PY" -m pytest -q -rs -p no:cacheprovider "${XDIST[@]}" \
-  tests/test_kernels.py tests/test_compile_kernels.py -m "not engine"
-step gpu-tests "${GPU_CHECK_TESTS_S:-300}" "$PY" -m pytest -v -s -rs -p no:cacheprovider -m gpu \
+  tests/test_kernels.py tests/test_triton_fp8.py tests/test_compile_kernels.py -m "not engine"
+step gpu-tests "${GPU_CHECK_TESTS_S:-340}" "$PY" -m pytest -v -s -rs -p no:cacheprovider -m gpu \
   tests/test_gpu.py --junitxml="$OUT/gpu-tests.xml"
 T=${GPU_CHECK_BENCH_KERNELS_S:-45}
 step bench-kernels "$T" "$PY" scripts/bench_kernels.py --contexts 4096,32768 --batches 1,8 \
   --iters 10 --time-budget $((T > 30 ? T - 20 : 10)) --out "$OUT/kernels-h200.json"
-step bench-e2e "${GPU_CHECK_BENCH_E2E_S:-95}" "$PY" scripts/bench_e2e.py \
+step bench-e2e "${GPU_CHECK_BENCH_E2E_S:-70}" "$PY" scripts/bench_e2e.py \
   ${ROCKETKV_GPU_MODEL:+--model "$ROCKETKV_GPU_MODEL"} --prompts 4 --prompt-tokens 4000 \
   --new-tokens 64 --kv-cache-gib 4 --gpu-memory-utilization 0.2 --out "$OUT/e2e-h200.json"
 

@@ -192,3 +192,49 @@ def test_fp8_codes_are_never_read_as_numbers():
         split_kv(codes.float(), "cpu_vec", KVQuant(torch.float8_e4m3fn, 1.0, 1.0))
     k, v = split_kv(codes, "cpu_vec", KVQuant(torch.float8_e4m3fn, 1.0, 1.0))
     assert k.dtype == torch.float32 and k.codes.dtype == torch.uint8
+
+
+class _NvidiaPlatform:
+    """What ``engine.cache_dtype_refusals`` asks of vLLM's platform, for an
+    NVIDIA GPU of the given compute capability (no GPU here)."""
+
+    device_name = "cuda"
+
+    def __init__(self, capability: int) -> None:
+        self.capability = capability
+
+    def is_cuda(self) -> bool:
+        return True
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def has_device_capability(self, capability: int) -> bool:
+        return self.capability >= capability
+
+    def get_device_name(self) -> str:
+        return {80: "NVIDIA A100", 90: "NVIDIA H200"}[self.capability]
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_fp8_on_nvidia_is_refused_below_compute_capability_8_9(monkeypatch, capability):
+    """On NVIDIA an fp8 cache is read by TRITON_ATTN and ROCKETKV's Triton
+    kernels, from compute capability 8.9 on; below, the refusal names the
+    setting and the GPU. The CPU-only conditions (block size, head size) do
+    not apply there."""
+    import vllm.platforms
+
+    from rocketkv_vllm.engine import cache_dtype_refusals
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", _NvidiaPlatform(capability))
+    model = SimpleNamespace(dtype=torch.bfloat16, get_head_size=lambda: 80)
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        reasons = cache_dtype_refusals(SimpleNamespace(cache_dtype=dtype, block_size=16), model)
+        if capability >= 89:
+            assert reasons == []
+        else:
+            assert len(reasons) == 1
+            assert f"kv_cache_dtype={dtype} on NVIDIA A100" in reasons[0]
+            assert "8.9" in reasons[0]
+    other = cache_dtype_refusals(SimpleNamespace(cache_dtype="fp8_inc", block_size=16), model)
+    assert other and "allowed: auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2" in other[0]

@@ -324,6 +324,7 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)  # vLLM FLASH_ATTN's head sizes
 ENGINE_HEAD_DIMS = (64, 128)
 PAGE_SIZES = (4, 16)
 KT_DTYPES = ("auto", "fp8")
+FP8_KVS = ("fp8_e4m3", "fp8_e5m2")  # fp8 kv_cache_dtypes (per-tensor scales)
 LAYOUTS = ("graph", "eager")
 
 HKV, GROUP, BLOCK_SIZE = 8, 4, 16  # Llama-3 style GQA, vLLM's default block size
@@ -339,27 +340,37 @@ class Config:
     ps: int
     kt: str
     layout: str
+    kv: str = "auto"  # kv_cache_dtype: auto (the model's dtype) or an fp8 format
 
     @property
     def name(self) -> str:
-        return f"d{self.d}-{self.dtype}-ps{self.ps}-{self.kt}kt-{self.layout}"
+        kv = "" if self.kv == "auto" else f"-kv{self.kv}"
+        return f"d{self.d}-{self.dtype}-ps{self.ps}-{self.kt}kt-{self.layout}{kv}"
+
+    def compiles_for(self, target: Target) -> bool:
+        """fp8 caches only where ROCKETKV accepts them: compute capability 8.9+
+        (TRITON_ATTN's fp8 reads, ``engine.cache_dtype_refusals``)."""
+        return self.kv == "auto" or target.capability >= 89
 
     @property
     def sixteen_bit(self) -> bool:
         return self.dtype in ("bf16", "fp16")
 
 
-def sweep(head_dims, dtypes, page_sizes, kts, layouts) -> list[Config]:
-    return [Config(*c) for c in itertools.product(head_dims, dtypes, page_sizes, kts, layouts)]
+def sweep(head_dims, dtypes, page_sizes, kts, layouts, kvs=("auto",)) -> list[Config]:
+    return [Config(*c) for c in itertools.product(head_dims, dtypes, page_sizes, kts, layouts, kvs)]
 
 
 def default_sweep() -> list[Config]:
     """Engine head dims in every dtype, both layouts; the other FLASH_ATTN
     head sizes in the 16-bit dtypes, graph layout (eager differs only in the
-    split / select constexprs, which do not depend on d)."""
+    split / select constexprs, which do not depend on d); fp8 caches (their KT
+    rows are always fp8) at the engine head dims in the 16-bit dtypes."""
     other = tuple(d for d in HEAD_DIMS if d not in ENGINE_HEAD_DIMS)
-    return sweep(ENGINE_HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS) + sweep(
-        other, ("bf16", "fp16"), PAGE_SIZES, KT_DTYPES, ("graph",)
+    return (
+        sweep(ENGINE_HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS)
+        + sweep(other, ("bf16", "fp16"), PAGE_SIZES, KT_DTYPES, ("graph",))
+        + sweep(ENGINE_HEAD_DIMS, ("bf16", "fp16"), PAGE_SIZES, ("fp8",), LAYOUTS, FP8_KVS)
     )
 
 
@@ -373,30 +384,36 @@ CI_SUBSET = [
     Config(256, "bf16", 16, "auto", "eager"),
     Config(80, "fp16", 16, "fp8", "graph"),
     Config(128, "fp32", 4, "fp8", "eager"),
+    Config(128, "bf16", 16, "fp8", "graph", "fp8_e4m3"),  # sm_90 only
+    Config(64, "fp16", 4, "fp8", "eager", "fp8_e5m2"),
 ]
 
 
 class Tensors:
     """CPU tensors laid out like the engine's: one padded vLLM KV cache
-    (FLASH_ATTN's per-token K|V, the KT pages in each block's padding)."""
+    (TRITON_ATTN's per-token K|V, the KT pages in each block's padding); an
+    fp8 cache is uint8 codes read through ``fp8_kv.Fp8KV`` views."""
 
     def __init__(self, cfg: Config):
+        from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant
         from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
 
         dtype = DTYPES[cfg.dtype]
+        cache_dtype = dtype if cfg.kv == "auto" else torch.uint8
         d, ps = cfg.d, cfg.ps
         self.cfg, self.dtype = cfg, dtype
         kt_dtype = "fp8_e4m3" if cfg.kt == "fp8" else "auto"
         num_blocks = 4
-        kt_bytes = HKV * (BLOCK_SIZE // ps) * kt_row_bytes(d, dtype, kt_dtype)
-        block_elems = HKV * BLOCK_SIZE * 2 * d + -(-kt_bytes // dtype.itemsize)
-        storage = torch.zeros(num_blocks * block_elems, dtype=dtype)
+        kt_bytes = HKV * (BLOCK_SIZE // ps) * kt_row_bytes(d, cache_dtype, kt_dtype)
+        block_elems = HKV * BLOCK_SIZE * 2 * d + -(-kt_bytes // cache_dtype.itemsize)
+        storage = torch.zeros(num_blocks * block_elems, dtype=cache_dtype)
         self.kv = torch.as_strided(
             storage,
             (num_blocks, HKV, BLOCK_SIZE, 2 * d),
             (block_elems, BLOCK_SIZE * 2 * d, 2 * d, 1),
         )
-        self.k, self.v = split_kv(self.kv, "token")
+        quant = None if cfg.kv == "auto" else KVQuant(FP8_FORMATS[cfg.kv], 0.5, 0.25)
+        self.k, self.v = split_kv(self.kv, "token", quant)
         self.kt = kt_cache_view(self.kv, ps, kt_dtype)
 
     def rows(self, batch: int):
@@ -457,7 +474,10 @@ def launch_config(
         "write_kt_pages": lambda: cp.write_kt_pages(t.k, t.kt, block_row, 0, KEPT, ps),
         # Stage 2 (ops.triton.hsa_decode)
         "kt_update": lambda: ku.kt_update(t.k, t.kt, bt, seq, ps),
-        "write_kv_and_kt": lambda: ku.write_kv_and_kt(t.k, t.v, t.kt, bt, seq, ps, new, new),
+        # the fused store writes caches in the model dtype only
+        "write_kv_and_kt": None
+        if cfg.kv != "auto"
+        else lambda: ku.write_kv_and_kt(t.k, t.v, t.kt, bt, seq, ps, new, new),
         "hsa_page_probs": lambda: hs.hsa_page_probs(
             q, t.kt, bt, nc, ts, seq, r["topr"], ps, max_pages, True
         ),
@@ -482,7 +502,7 @@ def launch_config(
         mock.patch.object(sd, "num_sms", lambda device: target.sms),
     ):
         for name, call in calls.items():
-            if only and name not in only:
+            if call is None or (only and name not in only):
                 continue
             _Launcher.caller = name
             try:
@@ -504,6 +524,8 @@ def compile_configs(
         target = TARGETS[tname]
         driver.set_active(StandinDriver(target))
         for cfg in configs:
+            if not cfg.compiles_for(target):
+                continue
             for fn in kernels.values():  # binders (and their target) per config
                 fn.device_caches.clear()
             _Launcher.log = []
@@ -710,8 +732,10 @@ def parse_args(argv):
         choices=["default", "ci", "all"],
         default="default",
         help="default: engine head dims (64, 128) in bf16/fp16/fp32 and the other "
-        "FLASH_ATTN head sizes in bf16/fp16 (graph layout); all: every head "
-        "size, dtype and layout; ci: the test's six configurations",
+        "FLASH_ATTN head sizes in bf16/fp16 (graph layout), fp8 caches at the "
+        "engine head dims in bf16/fp16; all: every head size, dtype and layout "
+        "(model-dtype caches) plus the default's fp8 ones; ci: the test's eight "
+        "configurations",
     )
     p.add_argument(
         "--targets",
@@ -724,6 +748,9 @@ def parse_args(argv):
     p.add_argument("--page-sizes", default=None)
     p.add_argument("--kt", default=None, help="comma list of auto, fp8")
     p.add_argument("--layouts", default=None, help="comma list of graph, eager")
+    p.add_argument(
+        "--kv", default=None, help="comma list of kv_cache_dtypes: auto, fp8_e4m3, fp8_e5m2"
+    )
     p.add_argument(
         "--launchers",
         default=None,
@@ -755,7 +782,9 @@ def main(argv=None) -> int:
     if args.subset == "ci":
         configs = list(CI_SUBSET)
     elif args.subset == "all":
-        configs = sweep(HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS)
+        configs = sweep(HEAD_DIMS, DTYPES, PAGE_SIZES, KT_DTYPES, LAYOUTS) + [
+            c for c in default_sweep() if c.kv != "auto"
+        ]
     else:
         configs = default_sweep()
 
@@ -770,6 +799,7 @@ def main(argv=None) -> int:
     keep("ps", args.page_sizes, int)
     keep("kt", args.kt)
     keep("layout", args.layouts)
+    keep("kv", args.kv)
     available = supported_targets()
     if args.targets:
         target_names = args.targets.split(",")

@@ -32,7 +32,7 @@ class RocketKVBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    # fp8 on CPU only, float16 / bfloat16 when they are the model's dtype
+    # fp8 on AVX-512/AMX CPUs and NVIDIA 8.9+, float16 / bfloat16 when they are the model's dtype
     # (``engine.cache_dtype_refusals``, ``fp8_kv``).
     supported_kv_cache_dtypes: ClassVar[list] = [
         "auto",

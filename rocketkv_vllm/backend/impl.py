@@ -217,7 +217,13 @@ class RocketKVImpl(AttentionImpl):
         if rows.in_place:  # FULL-graph layout (Triton only): row b is token b
             batch = rows.tokens.shape[0]
             self.stage2.decode(
-                query[:batch], kv_cache, rows, self.scale, out=out[:batch], sinks=sinks
+                query[:batch],
+                kv_cache,
+                rows,
+                self.scale,
+                out=out[:batch],
+                sinks=sinks,
+                quant=quant,
             )
             return
         result = self.stage2.decode(

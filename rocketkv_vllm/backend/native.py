@@ -4,7 +4,9 @@ where that backend keeps K and V inside a block.
 CPU: CPU_ATTN, whose K/V placement depends on the ISA its kernels use (found
 by letting vLLM's own cache write store known values: ``cpu_kv_layout``).
 NVIDIA: FLASH_ATTN where it supports the model (with attention sinks: FA3
-only), else TRITON_ATTN.
+only) and the cache is in the model dtype, else TRITON_ATTN (which reads an
+fp8 cache with an unquantized query, as ROCKETKV's kernels do: FLASH_ATTN
+would need the query quantized to fp8).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def native_backend(
             and capability is not None
             and FlashAttentionBackend.supports_compute_capability(capability)
             and (FlashAttentionBackend.supports_sink() or not has_sink)
+            and cache_dtype not in FP8_FORMATS
         ):
             choice = NativeChoice(FlashAttentionBackend, "token")
         else:

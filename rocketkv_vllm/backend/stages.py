@@ -168,8 +168,7 @@ class Stage2:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
         layout) rows with seq_len 0 are left as they are. sinks: the layer's
         [Hq] fp32 sink logits (``algorithm.sinks``), or None; quant: the
-        layer's fp8 format and scales when the cache holds fp8 codes (the
-        CPU implementations only)."""
+        layer's fp8 format and scales when the cache holds fp8 codes."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):
@@ -196,27 +195,32 @@ class TritonStage2(Stage2):
     pow2_shapes = True
 
     def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
-        assert quant is None, "the Triton kernels read caches in the model dtype"
         if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
-            return self._decode(query, kv_cache, rows, scale, out, sinks)
+            return self._decode(query, kv_cache, rows, scale, out, sinks, quant)
         per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
         chunk = max(1, SCRATCH_BYTES // per_row)
         batch = query.shape[0]
         if batch <= chunk:
-            return self._decode(query, kv_cache, rows, scale, None, sinks)
+            return self._decode(query, kv_cache, rows, scale, None, sinks, quant)
         parts = [
             self._decode(
-                query[a : a + chunk], kv_cache, _row_slice(rows, a, a + chunk), scale, None, sinks
+                query[a : a + chunk],
+                kv_cache,
+                _row_slice(rows, a, a + chunk),
+                scale,
+                None,
+                sinks,
+                quant,
             )
             for a in range(0, batch, chunk)
         ]
         return torch.cat(parts)
 
-    def _decode(self, query, kv_cache, rows, scale, out, sinks):
+    def _decode(self, query, kv_cache, rows, scale, out, sinks, quant):
         from rocketkv_vllm.ops import triton as triton_ops
 
         s = self.settings
-        k_cache, v_cache = split_kv(kv_cache, self.kv_layout)
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         return triton_ops.hsa_decode(
             query,
             k_cache,
@@ -346,8 +350,7 @@ def uses_triton(settings: RocketKVSettings) -> bool:
 def stage2_for(settings: RocketKVSettings, kv_layout: str) -> Stage2:
     """The engine's Stage 2: Triton where it runs, on CPU the C++ kernel for
     CPU_ATTN's layouts with kernel 'auto' (if it builds here), else PyTorch.
-    Both CPU implementations read fp8 caches (Triton with fp8 is refused at
-    startup: ``engine.configure_engine``)."""
+    Every implementation reads fp8 caches."""
     from rocketkv_vllm.ops import cpu as cpu_ops
 
     if uses_triton(settings):
