@@ -238,3 +238,37 @@ def test_fp8_on_nvidia_is_refused_below_compute_capability_8_9(monkeypatch, capa
             assert "8.9" in reasons[0]
     other = cache_dtype_refusals(SimpleNamespace(cache_dtype="fp8_inc", block_size=16), model)
     assert other and "allowed: auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2" in other[0]
+
+
+def test_native_call_gets_the_query_vllm_would_quantize():
+    """With an fp8 e4m3 cache and a native impl that takes fp8 queries (TRITON_ATTN
+    and FLASH_ATTN on NVIDIA), the native call gets the query quantized with the
+    layer's q scale (per tensor, or per KV head), as vLLM's attention layer
+    quantizes it for its own backend; other cache dtypes and impls get the
+    query itself. (ROCKETKV's impl keeps the model's query for its stages.)"""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from rocketkv_vllm.backend.native import NativeQuery
+
+    heads, kv_heads, d = 6, 2, 32
+    query = torch.randn(5, heads, d, generator=torch.Generator().manual_seed(0)).bfloat16()
+    takes_fp8 = SimpleNamespace(supports_quant_query_input=True)
+    cpu_native = SimpleNamespace(supports_quant_query_input=False)
+    with set_current_vllm_config(VllmConfig()):
+        for native, cache_dtype in (
+            (takes_fp8, "auto"),
+            (takes_fp8, "fp8_e5m2"),
+            (cpu_native, "fp8"),
+        ):
+            same = NativeQuery(native, cache_dtype, heads, kv_heads, d)(SimpleNamespace(), query)
+            assert same is query
+        quant = NativeQuery(takes_fp8, "fp8", heads, kv_heads, d)
+    per_tensor = SimpleNamespace(q_scale=torch.tensor(0.02), _q_scale=torch.tensor(0.02))
+    q8 = quant(per_tensor, query)
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == query.shape
+    torch.testing.assert_close(q8.float() * 0.02, query.float(), rtol=0.07, atol=1e-3)
+    scales = torch.tensor([0.01, 0.05])  # one per KV head: query heads 0-2, then 3-5
+    per_head = SimpleNamespace(q_scale=scales, _q_scale=scales)
+    q8 = quant(per_head, query)
+    head_scale = scales.repeat_interleave(heads // kv_heads)[None, :, None]
+    torch.testing.assert_close(q8.float() * head_scale, query.float(), rtol=0.07, atol=1e-3)

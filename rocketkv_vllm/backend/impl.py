@@ -15,7 +15,7 @@ from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
-from rocketkv_vllm.backend.native import native_for_config
+from rocketkv_vllm.backend.native import NativeQuery, native_for_config
 from rocketkv_vllm.backend.stages import HsaRows, stage1_for, stage2_for
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
 from rocketkv_vllm.fp8_kv import LARGE_CODE, kv_quant_for
@@ -129,6 +129,9 @@ class RocketKVImpl(AttentionImpl):
             kv_sharing_target_layer_name,
             sinks=sinks,
         )
+        self.native_query = NativeQuery(
+            self.native, kv_cache_dtype, num_heads, num_kv_heads, head_size
+        )
         self.stage2 = stage2_for(self.settings, self.kv_layout)
         self.stage1 = stage1_for(self.settings)
         self.window_queries = WindowQueries(
@@ -164,7 +167,8 @@ class RocketKVImpl(AttentionImpl):
             )
             return output
         md = attn_metadata
-        self.native.forward(layer, query, key, value, kv_cache, md.native, output)
+        native_query = self.native_query(layer, query)
+        self.native.forward(layer, native_query, key, value, kv_cache, md.native, output)
         if not md.adds_work:
             return output
         n = md.num_actual_tokens

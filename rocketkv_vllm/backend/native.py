@@ -4,9 +4,9 @@ where that backend keeps K and V inside a block.
 CPU: CPU_ATTN, whose K/V placement depends on the ISA its kernels use (found
 by letting vLLM's own cache write store known values: ``cpu_kv_layout``).
 NVIDIA: FLASH_ATTN where it supports the model (with attention sinks: FA3
-only) and the cache is in the model dtype, else TRITON_ATTN (which reads an
-fp8 cache with an unquantized query, as ROCKETKV's kernels do: FLASH_ATTN
-would need the query quantized to fp8).
+only) and the cache is in the model dtype, else TRITON_ATTN, which reads
+every fp8 format from compute capability 8.9 on (FLASH_ATTN: FA3 on Hopper
+only, not e5m2): one dense backend for every fp8 cache ROCKETKV accepts.
 """
 
 from __future__ import annotations
@@ -129,6 +129,45 @@ def native_backend(
         choice.kv_layout,
     )
     return choice
+
+
+class NativeQuery:
+    """The query vLLM's attention layer would hand a native impl.
+
+    With an fp8 e4m3 cache, vLLM's layer quantizes the query (``QuantFP8``,
+    static, the layer's q scale: per tensor, or per KV head when the
+    checkpoint has one scale per KV head) for a backend whose impl takes an
+    fp8 query (``supports_quant_query_input``: TRITON_ATTN and FLASH_ATTN on
+    NVIDIA). ROCKETKV's impl does not declare it, so Stage 1 and Stage 2 get
+    the model's query, and the native call gets this quantized copy: the
+    dense work is what vLLM's own backend does. Otherwise the query itself."""
+
+    def __init__(
+        self, native_impl, kv_cache_dtype: str, num_heads: int, num_kv_heads: int, head_size: int
+    ) -> None:
+        self.quant = None
+        if getattr(native_impl, "supports_quant_query_input", False) and kv_cache_dtype in (
+            "fp8",
+            "fp8_e4m3",
+        ):
+            from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+            from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+            self.num_kv_heads = num_kv_heads
+            self.quant = {
+                False: QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR),
+                True: QuantFP8(
+                    static=True, group_shape=GroupShape(-1, head_size * num_heads // num_kv_heads)
+                ),
+            }
+
+    def __call__(self, layer, query: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return query
+        q_scale = getattr(layer, "q_scale", None)
+        per_head = q_scale is not None and q_scale.numel() == self.num_kv_heads
+        quantized, _ = self.quant[per_head](query.reshape(query.shape[0], -1), layer._q_scale)
+        return quantized.view(query.shape)
 
 
 def native_for_config(vllm_config, has_sink: bool = False) -> NativeChoice:
