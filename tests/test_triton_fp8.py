@@ -13,6 +13,8 @@ Oracles:
   engines run) and the per-request reference (``paged``) on the fp32 twin:
   the same kept tokens, their codes moved bit for bit, the same fp8 KT rows,
   Stage 2 outputs to 1e-4.
+Two of the five cases carry attention sinks (gpt-oss), in both stages and
+both oracles.
 """
 
 from __future__ import annotations
@@ -40,13 +42,20 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32, BF16 = torch.float32, torch.bfloat16
 K_SCALE, V_SCALE = 0.05, 0.03
 HKV, G, D, BS, PS = 2, 3, 64, 16, 4
-CASES = [  # (kv_cache_dtype, layout, query dtype): layouts spread over the cases
-    ("fp8_e4m3", "token", F32),
-    ("fp8_e5m2", "cpu_vec", F32),
-    ("fp8", "head_rows", F32),
-    ("fp8_e4m3", "cpu_vec", BF16),
-    ("fp8_e5m2", "token", BF16),
+CASES = [  # (kv_cache_dtype, layout, query dtype, sinks): spread over the cases
+    ("fp8_e4m3", "token", F32, False),
+    ("fp8_e5m2", "cpu_vec", F32, True),
+    ("fp8", "head_rows", F32, False),
+    ("fp8_e4m3", "cpu_vec", BF16, True),
+    ("fp8_e5m2", "token", BF16, False),
 ]
+
+
+def _sinks(with_sinks: bool):
+    """gpt-oss style sink logits [Hq] fp32, or None."""
+    if not with_sinks:
+        return None
+    return torch.randn(HKV * G, generator=torch.Generator().manual_seed(9)).to(DEVICE)
 
 
 def padded_cache(num_blocks: int, dtype: torch.dtype, kt_dtype: str) -> torch.Tensor:
@@ -117,8 +126,8 @@ def _row(num_blocks, count, seed):
     return perm[:count].to(torch.int32).to(DEVICE)
 
 
-@pytest.mark.parametrize("cache_dtype,layout,dtype", CASES)
-def test_stage1_on_fp8_codes(cache_dtype, layout, dtype):
+@pytest.mark.parametrize("cache_dtype,layout,dtype,with_sinks", CASES)
+def test_stage1_on_fp8_codes(cache_dtype, layout, dtype, with_sinks):
     """Window scores, compaction and KT pages: the fp8 path equals the same
     kernels on the decoded twin; with fp32 queries also the PyTorch path on
     the same codes (kept tokens, codes moved bit for bit, fp8 KT rows bit
@@ -132,9 +141,10 @@ def test_stage1_on_fp8_codes(cache_dtype, layout, dtype):
     torch_codes = copy_cache(pair.codes)
 
     k8, v8 = pair.fp8_views()
-    kept = TritonStage1().compress(k8, v8, pair.kt, *args)
+    sinks = _sinks(with_sinks)
+    kept = TritonStage1().compress(k8, v8, pair.kt, *args, sinks=sinks)
     tk, tv = split_kv(pair.twin, layout)
-    kept_twin = TritonStage1().compress(tk, tv, pair.twin_kt, *args)
+    kept_twin = TritonStage1().compress(tk, tv, pair.twin_kt, *args, sinks=sinks)
     assert torch.equal(kept, kept_twin)
     assert not torch.equal(pair.codes, torch_codes), "nothing moved"
     # the compacted codes decode to what the twin moved
@@ -146,7 +156,7 @@ def test_stage1_on_fp8_codes(cache_dtype, layout, dtype):
 
         k8t, v8t = split_kv(torch_codes, layout, pair.quant)
         kt_torch = kt_cache_view(torch_codes, PS)
-        kept_torch = TorchStage1().compress(k8t, v8t, kt_torch, *args)
+        kept_torch = TorchStage1().compress(k8t, v8t, kt_torch, *args, sinks=sinks)
         assert torch.equal(kept.cpu(), kept_torch.cpu())
         assert torch.equal(pair.codes, torch_codes)  # K/V codes and KT rows, every byte
 
@@ -175,8 +185,8 @@ def _decode_rows(pair, specs, seed):
     return table
 
 
-@pytest.mark.parametrize("cache_dtype,layout,dtype", CASES)
-def test_stage2_on_fp8_codes(cache_dtype, layout, dtype):
+@pytest.mark.parametrize("cache_dtype,layout,dtype,with_sinks", CASES)
+def test_stage2_on_fp8_codes(cache_dtype, layout, dtype, with_sinks):
     """HSA decode of a batch (KT update, page choice, sparse attention): the
     fp8 path equals the same kernels on the decoded twin bit for bit; with
     fp32 queries it also equals the per-request reference on the twin
@@ -204,17 +214,20 @@ def test_stage2_on_fp8_codes(cache_dtype, layout, dtype):
     # bf16: the twin's keys are rounded, so its KT update would differ
     update_kt = dtype == F32
     k8, v8 = pair.fp8_views()
-    out = triton_ops.hsa_decode(q, k8, v8, pair.kt, *args, 64, 4, True, update_kt=update_kt)
+    sinks = _sinks(with_sinks)
+    out = triton_ops.hsa_decode(
+        q, k8, v8, pair.kt, *args, 64, 4, True, update_kt=update_kt, sinks=sinks
+    )
     tk, tv = split_kv(pair.twin, layout)
     ref_kt = pair.twin_kt.clone()
     out_twin = triton_ops.hsa_decode(
-        q, tk, tv, pair.twin_kt, *args, 64, 4, True, update_kt=update_kt
+        q, tk, tv, pair.twin_kt, *args, 64, 4, True, update_kt=update_kt, sinks=sinks
     )
     assert out.dtype == dtype and bool(out.isfinite().all())
     assert torch.equal(out, out_twin)
     if dtype == F32:
         assert torch.equal(pair.kt, pair.twin_kt)
-        ref = paged.hsa_decode_rows(q, tk, tv, ref_kt, *args, force_current_page=True)
+        ref = paged.hsa_decode_rows(q, tk, tv, ref_kt, *args, force_current_page=True, sinks=sinks)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert torch.equal(pair.kt, ref_kt)  # the reference's KT update, bit for bit
 
