@@ -236,8 +236,10 @@ def test_fp8_on_nvidia_is_refused_below_compute_capability_8_9(monkeypatch, capa
             assert len(reasons) == 1
             assert f"kv_cache_dtype={dtype} on NVIDIA A100" in reasons[0]
             assert "8.9" in reasons[0]
-    other = cache_dtype_refusals(SimpleNamespace(cache_dtype="fp8_inc", block_size=16), model)
-    assert other and "allowed: auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2" in other[0]
+    for other in ("fp8_inc", "fp8_per_token_head"):  # not per-tensor scales: refused
+        reasons = cache_dtype_refusals(SimpleNamespace(cache_dtype=other, block_size=16), model)
+        assert len(reasons) == 1 and f"kv_cache_dtype={other}" in reasons[0]
+        assert "allowed: auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2" in reasons[0]
 
 
 def test_native_call_gets_the_query_vllm_would_quantize():
