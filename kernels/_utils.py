@@ -9,10 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rocketkv_vllm.fp8_kv import Fp8KV
-
-# fp8 formats of a KV cache's codes, as the kernels' FP8 constexpr (0: none)
-FP8_FORMAT_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+from rocketkv_vllm.fp8_kv import FORMAT_CODES, Fp8KV
 
 
 def interpreting() -> bool:
@@ -48,7 +45,7 @@ def kv_operand(cache) -> tuple[torch.Tensor, int, float]:
     dtype is itself, 0, 1.0. Raw uint8 views are refused: fp8 codes read as
     numbers would be silently wrong."""
     if isinstance(cache, Fp8KV):
-        return cache.codes, FP8_FORMAT_CODES[cache.fp8_dtype], float(cache.scale)
+        return cache.codes, FORMAT_CODES[cache.fp8_dtype], float(cache.scale)
     assert cache.dtype != torch.uint8, (
         "an fp8 KV cache is read through fp8_kv.Fp8KV views (split_kv with the layer's quant)"
     )

@@ -26,6 +26,10 @@ FP8_FORMATS = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
+# The kernels' code for each format (the Triton kernels' FP8 constexpr, the
+# C++ Stage 2's kv_format; 0 there: a cache in a float dtype).
+FORMAT_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
 # A large finite code of each format (448 and 57344): the test aid that
 # poisons evicted blocks writes it (vLLM's kernels read, and mask, unwritten
 # slots, so NaN would leak into dense outputs).

@@ -15,10 +15,9 @@ from importlib import resources
 
 import torch
 
-from rocketkv_vllm.fp8_kv import KVQuant
+from rocketkv_vllm.fp8_kv import FORMAT_CODES, KVQuant
 
 LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
-FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's kv_format
 
 
 @functools.cache
@@ -86,7 +85,7 @@ def hsa_decode(
         force_current_page,
         LAYOUT_CODES[layout],
         sinks,
-        0 if quant is None else FP8_CODES[quant.fp8_dtype],
+        0 if quant is None else FORMAT_CODES[quant.fp8_dtype],
         1.0 if quant is None else quant.k_scale,
         1.0 if quant is None else quant.v_scale,
     )
