@@ -96,51 +96,13 @@ def greedy(llm, prompts, max_tokens=24):
 def cpu_attn_decode(q, kv, row, n, isa, cache_dtype="auto", k_scale=1.0, v_scale=1.0):
     """vLLM CPU_ATTN's own attention kernel for one query token at position
     n - 1 of one request (block row ``row``) over a ROCKETKV-shaped cache
-    ``kv`` [num_blocks, Hkv, bs, 2d] (its forward hands the kernel each
-    head's block as [2 * bs, d] halves). Returns [1, Hq, d]."""
+    ``kv`` [num_blocks, Hkv, bs, 2d]. Returns [1, Hq, d]."""
     import torch
-    from vllm import _custom_ops as ops
 
-    num_blocks, hkv, bs, width = kv.shape
-    d = width // 2
-    out = torch.empty_like(q)
-    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    from rocketkv_eval.bench_hsa_cpu import cpu_attn_decoder
+
     seq = torch.tensor([n], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1,
-        num_heads=q.shape[1],
-        num_kv_heads=hkv,
-        head_dim=d,
-        seq_lens=seq,
-        dtype=q.dtype,
-        query_start_loc=qsl,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=False,
-        kv_cache_dtype=cache_dtype,
-    )
-    rows = kv.view(num_blocks, hkv, 2 * bs, d)
-    ops.cpu_attention_with_kv_cache(
-        query=q,
-        key_cache=rows[:, :, :bs],
-        value_cache=rows[:, :, bs:],
-        output=out,
-        query_start_loc=qsl,
-        seq_lens=seq,
-        scale=d**-0.5,
-        causal=True,
-        alibi_slopes=None,
-        sliding_window=-1,
-        block_table=row[None].int(),
-        softcap=0,
-        scheduler_metadata=meta,
-        s_aux=None,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        kv_cache_dtype=cache_dtype,
-    )
-    return out
+    return cpu_attn_decoder(q, kv, row[None].int(), seq, isa, cache_dtype, k_scale, v_scale)()
 
 
 def pytest_configure(config):

@@ -23,6 +23,71 @@ import time
 import torch
 
 
+def cpu_attn_decoder(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    isa: str,
+    cache_dtype: str = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    enable_kv_split: bool = False,
+):
+    """vLLM CPU_ATTN's own decode kernel, one query token per row of
+    ``block_table`` [B, blocks] (int32) at position seq_lens[b] - 1, over a
+    ROCKETKV-shaped cache ``kv`` [num_blocks, Hkv, bs, 2d] (CPU_ATTN's
+    forward hands the kernel each head's block as [2 * bs, d] halves).
+    Returns a call that runs the kernel (scheduler metadata made once) and
+    returns its output [B, Hq, d]."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, hkv, bs, width = kv.shape
+    d = width // 2
+    batch = query.shape[0]
+    out = torch.empty_like(query)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=batch,
+        num_heads=query.shape[1],
+        num_kv_heads=hkv,
+        head_dim=d,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=enable_kv_split,
+        kv_cache_dtype=cache_dtype,
+    )
+    rows = kv.view(num_blocks, hkv, 2 * bs, d)
+
+    def decode() -> torch.Tensor:
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=rows[:, :, :bs],
+            value_cache=rows[:, :, bs:],
+            output=out,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            scale=d**-0.5,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0,
+            scheduler_metadata=meta,
+            s_aux=None,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            kv_cache_dtype=cache_dtype,
+        )
+        return out
+
+    return decode
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=7800)
@@ -41,7 +106,6 @@ def main(argv=None) -> int:
         # engine the model's first bf16 matmul does).
         torch.cpu._init_amx()
 
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from rocketkv_vllm.backend.native import cpu_kv_layout
@@ -89,40 +153,7 @@ def main(argv=None) -> int:
             fn()
         return (clock() - start) / args.iters * 1e3
 
-    rows = kv.view(num_blocks, hkv, 2 * bs, d)
-    out = torch.empty_like(query)
-    qsl = torch.arange(args.batch + 1, dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=args.batch,
-        num_heads=hkv * g,
-        num_kv_heads=hkv,
-        head_dim=d,
-        seq_lens=seq,
-        dtype=dtype,
-        query_start_loc=qsl,
-        causal=True,
-        sliding_window_size=-1,
-        isa=isa,
-        enable_kv_split=True,
-    )
-
-    def dense() -> None:
-        ops.cpu_attention_with_kv_cache(
-            query=query,
-            key_cache=rows[:, :, :bs],
-            value_cache=rows[:, :, bs:],
-            output=out,
-            query_start_loc=qsl,
-            seq_lens=seq,
-            scale=d**-0.5,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=-1,
-            block_table=table,
-            softcap=0,
-            scheduler_metadata=meta,
-            s_aux=None,
-        )
+    dense = cpu_attn_decoder(query, kv, table, seq, isa, enable_kv_split=True)
 
     col = lambda v: torch.full((args.batch,), v, dtype=torch.int32)  # noqa: E731
     num_compact, tail_start = col(plan.num_compact), col(plan.tail_start)
