@@ -193,6 +193,10 @@ def test_needles_found_counts_answers_in_the_text():
     ]
     outs = [{"text": f" The passphrase is {cases[0].answer.upper()}."}, {"text": "no idea"}]
     assert needles_found(outs, cases) == 1
+    ref = {"needle": {"outputs": [{"text": c.answer} for c in cases]}}
+    dense, ours, report = _needles(("A", ref), ("B", {"needle": {"outputs": outs}}), cases)
+    assert (dense, ours) == (2, 1)
+    assert report.startswith("A 2, B 1 of 2: [") and "no idea" in report
 
 
 class _FakeTokenizer:
@@ -383,6 +387,16 @@ def rocketkv_fp8_kv(gpu_model, prompt_sets):
     )
 
 
+def _needles(ref: tuple[str, dict], ours: tuple[str, dict], cases) -> tuple[int, int, str]:
+    """(the reference's needles found, ours, a report with our answers) of two
+    (name, run) pairs on the needle set."""
+    (ref_name, ref_run), (our_name, our_run) = ref, ours
+    found = [needles_found(run["needle"]["outputs"], cases) for run in (ref_run, our_run)]
+    answers = [o["text"] for o in our_run["needle"]["outputs"]]
+    report = f"{ref_name} {found[0]}, {our_name} {found[1]} of {len(cases)}: {answers}"
+    return found[0], found[1], report
+
+
 def _compressed(run: dict, set_name: str) -> int:
     counters = run[set_name]["counters"]
     assert counters is not None, "no ROCKETKV worker state under this engine's VllmConfig"
@@ -399,11 +413,7 @@ class TestOnGPU:
 
     def test_needles_at_token_budget_256(self, flash, rocketkv, prompt_sets):
         cases = prompt_sets["cases"]
-        dense = needles_found(flash["needle"]["outputs"], cases)
-        ours = needles_found(rocketkv["needle"]["outputs"], cases)
-        report = f"FLASH_ATTN {dense}, ROCKETKV {ours} of {len(cases)}: " + str(
-            [o["text"] for o in rocketkv["needle"]["outputs"]]
-        )
+        dense, ours, report = _needles(("FLASH_ATTN", flash), ("ROCKETKV", rocketkv), cases)
         # the reference must find most needles, or the comparison says nothing
         # (on CPU dense attention finds 8 of these 9, docs/results.md)
         assert dense >= len(cases) // 2 + 1, report
@@ -422,11 +432,7 @@ class TestOnGPU:
 
     def test_fp8_kt_pages_find_needles(self, rocketkv, fp8, prompt_sets):
         cases = prompt_sets["cases"]
-        bf16_kt = needles_found(rocketkv["needle"]["outputs"], cases)
-        fp8_kt = needles_found(fp8["needle"]["outputs"], cases)
-        report = f"bf16 KT {bf16_kt}, fp8 KT {fp8_kt} of {len(cases)}: " + str(
-            [o["text"] for o in fp8["needle"]["outputs"]]
-        )
+        bf16_kt, fp8_kt, report = _needles(("bf16 KT", rocketkv), ("fp8 KT", fp8), cases)
         # the CPU-measured allowance: niah_single at budget 256 (docs/results.md),
         # bf16 KT 12 of 12, fp8 KT 10 of 12
         assert fp8_kt >= max(1, bf16_kt - 2), report
@@ -466,10 +472,8 @@ class TestOnGPU:
 
     def test_fp8_kv_cache_finds_needles(self, flash, rocketkv_fp8_kv, prompt_sets):
         cases = prompt_sets["cases"]
-        dense = needles_found(flash["needle"]["outputs"], cases)
-        ours = needles_found(rocketkv_fp8_kv["needle"]["outputs"], cases)
-        report = f"FLASH_ATTN bf16 {dense}, ROCKETKV fp8 cache {ours} of {len(cases)}: " + str(
-            [o["text"] for o in rocketkv_fp8_kv["needle"]["outputs"]]
+        dense, ours, report = _needles(
+            ("FLASH_ATTN bf16", flash), ("ROCKETKV fp8 cache", rocketkv_fp8_kv), cases
         )
         # one needle more than the bf16 allowance for the fp8 rounding (on CPU,
         # fp8 and bf16 caches found the same count: docs/results.md)
