@@ -41,6 +41,7 @@ class FakeEngine:
         num_blocks: int = NUM_BLOCKS,
         batched_tokens: int = 128,
         max_num_seqs: int = 4,
+        rocketkv: dict | None = None,
     ):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
@@ -69,7 +70,7 @@ class FakeEngine:
             kv_offloading_size=host_gib,
             dtype="float32",
             enforce_eager=True,
-            additional_config={"rocketkv": {"prompt_budget": 64}},  # window 32
+            additional_config={"rocketkv": rocketkv or {"prompt_budget": 64}},  # window 32
         ).create_engine_config()
         config.cache_config.num_gpu_blocks = num_blocks
         self.settings = settings_for(config)
@@ -97,6 +98,7 @@ class FakeEngine:
         self.hit: dict[str, tuple[int, int]] = {}  # id -> (local, host) tokens
         self.tokens_of_hash: dict[object, list[int]] = {}
         self.checked: set[object] = set()  # host blocks checked, by hash
+        self.device_checked = 0  # hashed device blocks checked, over all steps
         self.dense_block: dict[object, list[float]] = {}  # hash -> its dense values
         self.free_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         lookup = self.host.get_num_new_matched_tokens
@@ -128,6 +130,9 @@ class FakeEngine:
 
     def plan(self, request):
         return self.rocketkv.plan_of_request(request)
+
+    def plan_for(self, num_prompt_tokens: int):
+        return self.rocketkv.plans(num_prompt_tokens)
 
     def step(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -164,6 +169,7 @@ class FakeEngine:
             for j, block_hash in enumerate(request.block_hashes):
                 self.tokens_of_hash[block_hash] = request.all_token_ids[: (j + 1) * BS]
         self.check_host_blocks()
+        self.check_device_blocks()
 
     def forward(self, request, n: int) -> list[int]:
         """Write the step's slots; Stage 1 compacts at the prompt's end."""
@@ -172,6 +178,13 @@ class FakeEngine:
         start, prompt = request.num_computed_tokens - n, request.num_prompt_tokens
         tokens = request.all_token_ids
         plan = self.plan(request)
+        if start < prompt:
+            # A prefill step reads the K/V of every earlier slot: dense
+            # (computed, copied from a device hit or loaded from the host).
+            got = [self.kv[row[pos // BS], pos % BS].item() for pos in range(start)]
+            want = [dense_value(tokens[: pos + 1]) for pos in range(start)]
+            bad = [pos for pos in range(start) if got[pos] != want[pos]]
+            assert not bad, (request.request_id, "reads non-dense K/V at", bad[:4])
         for pos in range(start, start + n):
             value = dense_value(tokens[: pos + 1])
             if pos >= prompt and plan.compress:
@@ -182,21 +195,35 @@ class FakeEngine:
                 self.kv[row[j], :BS] = COMPACTED
         return [7] if start + n >= prompt else []
 
-    def check_host_blocks(self) -> None:
-        """Every block the host holds is dense K/V of the prefix its hash names."""
+    def dense_of(self, block_hash) -> list[float]:
+        """The dense K/V of the block a hash (with its group id) names."""
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
+        key = get_block_hash(block_hash)
+        if key not in self.dense_block:
+            tokens = self.tokens_of_hash[key]
+            start = len(tokens) - BS
+            self.dense_block[key] = [dense_value(tokens[: start + s + 1]) for s in range(BS)]
+        return self.dense_block[key]
+
+    def check_host_blocks(self) -> None:
+        """Every block the host holds is dense K/V of the prefix its hash names."""
         for block in self.host.cpu_block_pool.blocks:
             if block.block_hash is None:
                 continue
-            key = get_block_hash(block.block_hash)
-            if key not in self.dense_block:
-                tokens = self.tokens_of_hash[key]
-                start = len(tokens) - BS
-                self.dense_block[key] = [dense_value(tokens[: start + s + 1]) for s in range(BS)]
             got = self.host_kv[block.block_id].view(torch.float32)[:BS].tolist()
-            assert got == self.dense_block[key], (block.block_id, got[:4])
+            assert got == self.dense_of(block.block_hash), ("host", block.block_id, got[:4])
             self.checked.add(block.block_hash)
+
+    def check_device_blocks(self) -> None:
+        """Every block the device's prefix cache holds is dense K/V of the
+        prefix its hash names."""
+        for block in self.scheduler.kv_cache_manager.block_pool.blocks:
+            if block.block_hash is None or block.is_null:
+                continue
+            got = self.kv[block.block_id, :BS].tolist()
+            assert got == self.dense_of(block.block_hash), ("device", block.block_id, got[:4])
+            self.device_checked += 1
 
     def run(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
@@ -354,3 +381,58 @@ def test_a_tiny_host_pool_is_never_overcommitted(model_path):
     assert all(r.num_output_tokens == 30 for r in engine.requests.values())
     assert engine.rocketkv.prefix_account.host_target_blocks_dropped > 0
     assert sum(b.ref_cnt for b in engine.host.cpu_block_pool.blocks) == 0
+
+
+# -- every prompt length around the kept-token boundary ----------------------
+
+
+def _boundary_lengths(engine, lo: int, hi: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths in [lo, hi) whose compaction targets end exactly at the
+    prompt's end (the last target is written in the Stage 1 step itself),
+    with their neighbours and the multiples of the block size between."""
+    triggers = [
+        n
+        for n in range(lo, hi)
+        if engine.plan_for(n).compress and engine.plan_for(n).compact_blocks(BS) * BS == n
+    ]
+    near = {m for n in triggers for m in (n - BS - 1, n - 1, n, n + 1, n + BS, n + BS + 1)}
+    multiples = set(range(lo // BS * BS + BS, hi, 3 * BS))
+    return triggers, sorted(m for m in near | multiples if lo <= m < hi)
+
+
+@pytest.mark.parametrize(
+    "rocketkv,batched_tokens",
+    [
+        ({"prompt_budget": 70}, 128),  # one chunk
+        ({"prompt_budget": 70}, 48),  # chunked: earlier targets written before
+        ({"prompt_budget": 100, "window_size": 40}, 512),
+        ({"token_budget": 128, "window_size": 32, "max_new_tokens": 16}, 128),  # per length
+    ],
+)
+def test_every_cached_block_is_dense_around_the_kept_token_boundary(
+    model_path, rocketkv, batched_tokens
+):
+    """Each prompt length is asked, then asked again with the device cache
+    reset, so the second one is served from the host. After every step every
+    block the device and the host hold under a hash is dense K/V of its
+    prefix (check_host_blocks, check_device_blocks), and every prefill step
+    reads only dense K/V (forward). The lengths whose targets end at the
+    prompt's end stored compacted K/V on the host under dense hashes before
+    the Stage 1 step was kept out of the target stores."""
+    engine = FakeEngine(model_path, host_gib=0.01, batched_tokens=batched_tokens, rocketkv=rocketkv)
+    triggers, lengths = _boundary_lengths(engine, 48, 420)
+    assert triggers, "no prompt length reaches the boundary case"
+    for n in lengths:
+        (doc,) = _prompts(n, [n])
+        engine.add(f"doc-{n}", doc, max_tokens=4)
+        engine.run()
+        assert engine.scheduler.reset_prefix_cache()
+        engine.add(f"again-{n}", doc, max_tokens=4)
+        engine.run()
+    # The second asks were served from the host (but for the boundary
+    # lengths, whose targets are not stored), and the checks saw blocks.
+    served = [n for n in lengths if engine.hit[f"again-{n}"][1] > 0]
+    assert len(served) > len(lengths) // 2, served
+    assert len(engine.checked) > 20 and engine.device_checked > 100
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == engine.free_at_start

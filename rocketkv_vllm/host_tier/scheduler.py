@@ -10,11 +10,13 @@ K/V of its token prefix. Three rules are added:
   ``window_size`` tokens are computed (Stage 1 needs their queries);
 - compaction targets, which the device never hashes (Stage 1 compacts the
   kept tokens into them), are stored under their dense hashes from the step
-  whose forward completes them: that step is never the Stage 1 step
-  (``RocketKVManager.chunk_tokens``), and copies on vLLM's CPU build finish
-  inside the step. So a compressed conversation's host chain starts at
-  block 0, and a later turn can be served from the host after the device
-  has evicted everything;
+  whose forward completes them, and never from the Stage 1 step, whose
+  store runs after its forward has compacted them
+  (``RocketKVManager.chunk_tokens`` keeps the last target out of that step
+  except when the targets end at the prompt's end; then none is stored).
+  Copies on vLLM's CPU build finish inside the step. So a compressed
+  conversation's host chain starts at block 0, and a later turn can be
+  served from the host after the device has evicted everything;
 - the blocks a compressed prompt gives back after its Stage 1 step are
   stored from that step (after its forward), not one step later as vLLM
   would: by then another request may have reused one, a hole in the chain.
@@ -135,7 +137,13 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
             before = request.num_computed_tokens  # not yet advanced for this step
             end = plan.compact_blocks(bs) * bs
             blocks = mgr.req_to_blocks.get(req_id, [])
-            if before < end <= before + num_new:
+            stage1_step = before < request.num_prompt_tokens <= before + num_new
+            # Never from the Stage 1 step: its copies run after its forward
+            # has compacted every target. The last target is written in that
+            # step only when the targets end at the prompt's end (which
+            # chunk_tokens cannot split off); that prompt's targets then
+            # reach the device cache only (preserved copies), not the host.
+            if not stage1_step and before < end <= before + num_new:
                 hashes = resolve_block_hashes(
                     request.block_hashes, mgr.block_pool.hash_block_size, bs
                 )
