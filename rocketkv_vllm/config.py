@@ -275,7 +275,7 @@ def list_presets() -> list[str]:
 def parse_config(raw: dict[str, Any] | None) -> RocketKVConfig:
     """Validate the ``rocketkv`` dict of ``additional_config`` (preset first)."""
     raw = dict(raw or {})
-    unknown = sorted(set(raw) - set(_KNOBS))
+    unknown = sorted(set(raw) - set(_KNOBS), key=str)
     if unknown:
         raise RocketKVConfigError(
             f"unknown rocketkv setting(s) {unknown}: allowed keys are {sorted(_KNOBS)}"
@@ -465,11 +465,22 @@ def _settings(
     )
 
 
+def _settings_key(raw: dict) -> str:
+    """``raw`` as JSON text (the settings cache's key). Settings are JSON
+    scalars: anything else (a set, bytes, a tuple, an object given to
+    ``LLM(additional_config=...)``) gets the error that names its field and
+    the allowed values, not json's TypeError."""
+    scalar = (str, int, float, type(None))
+    if not all(isinstance(k, str) and isinstance(v, scalar) for k, v in raw.items()):
+        parse_config(raw)  # raises for the first such setting
+    return json.dumps(raw, sort_keys=True)
+
+
 def settings_for(vllm_config) -> RocketKVSettings:
     """The ROCKETKV settings of the engine this config describes."""
     model_config = vllm_config.model_config
     return _settings(
-        json.dumps(raw_config(vllm_config), sort_keys=True),
+        _settings_key(raw_config(vllm_config)),
         vllm_config.cache_config.block_size,
         model_config.get_head_size(),
         model_config.max_model_len,

@@ -283,3 +283,35 @@ def test_a_bad_preset_file_names_the_field_and_the_reason(tmp_path, content, rea
     message = str(err.value)
     assert "rocketkv.preset" in message and reason in message
     assert "os.system" not in message and "[1, 2" not in message  # never the content
+
+
+def _engine_settings(rocketkv):
+    from types import SimpleNamespace
+
+    from rocketkv_vllm.config import settings_for
+
+    model = SimpleNamespace(get_head_size=lambda: 64, max_model_len=8192)
+    return settings_for(
+        SimpleNamespace(
+            additional_config={"rocketkv": rocketkv},
+            model_config=model,
+            cache_config=SimpleNamespace(block_size=16),
+        )
+    )
+
+
+@pytest.mark.parametrize("value", [object(), {256, 512}, b"256", (256,), [256], {"b": 256}])
+def test_non_json_setting_values_name_the_field_and_range(value):
+    """``LLM(additional_config=...)`` takes any Python object: one that is
+    not a JSON scalar gets the config error, with the value as given."""
+    with pytest.raises(RocketKVConfigError) as err:
+        _engine_settings({"token_budget": value})
+    message = str(err.value)
+    assert f"rocketkv.token_budget={value!r} is invalid" in message
+    assert "allowed an integer in [16, 16777216] or null" in message
+    with pytest.raises(RocketKVConfigError, match=r"rocketkv.kernel=b'torch' .*one of"):
+        _engine_settings({"kernel": b"torch"})
+    # non-string keys are unknown settings, listed next to the allowed ones
+    with pytest.raises(RocketKVConfigError, match=r"unknown rocketkv setting\(s\) \[1, 'x'\]"):
+        _engine_settings({1: 256, "x": 1})
+    assert _engine_settings({"token_budget": 256}).token_budget == 256
