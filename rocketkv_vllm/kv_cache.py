@@ -25,19 +25,22 @@ dense prefill of its token prefix writes. For a compressed request:
 A later turn of a chat, or another question on the same document, then
 computes only its new tokens (and the window), and its Stage 1 scores the
 whole history, cached tokens included: RocketKV-MT's re-selection.
+
+What the manager did with the cache (``PrefixCacheAccount``: tokens
+recomputed for the window, copies, the host tier's stores and loads) goes to
+the API server's ``rocketkv:*`` counters inside vLLM's own SchedulerStats
+(``attach_account`` / ``take_account``), keyed by the engine index vLLM
+gives each engine core (its data-parallel index), never through a file: a
+shared folder could stop an engine (another user's folder), be abused by
+other local users (links, FIFOs, planted JSON) and mixed up DP engines.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import json
-import os
-import tempfile
 import weakref
-from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, fields, replace
 
+from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
@@ -46,6 +49,8 @@ from rocketkv_vllm.config import RocketKVSettings
 from rocketkv_vllm.layout import kt_row_bytes
 from rocketkv_vllm.plan import PlanCache, RequestPlan
 from rocketkv_vllm.requests import planned_budget
+
+logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +94,10 @@ def make_rocketkv_spec(spec: AttentionSpec, settings: RocketKVSettings) -> Atten
 
 @dataclass
 class PrefixCacheAccount:
-    """What ROCKETKV did with vLLM's prefix cache in one scheduler. The
-    scheduler's process writes it to ``account_path`` with its stats
-    (``publish``) for the API server's metrics; tests and benchmarks read it
-    in process."""
+    """What ROCKETKV did with vLLM's prefix cache in one scheduler. It rides
+    to the API server's metrics inside vLLM's own scheduler stats
+    (``attach_account``, ``take_account``); tests and benchmarks read it in
+    process."""
 
     tokens_recomputed: int = 0  # prompt tokens the cache held, recomputed (window)
     private_copies: int = 0  # hit blocks copied to compact into (admission)
@@ -107,49 +112,78 @@ class PrefixCacheAccount:
     host_blocks_loaded: int = 0  # host hits copied into device blocks
     host_bytes_loaded: int = 0
 
-    def publish(self, path: Path) -> None:
-        """Write the account to ``path`` if it changed since the last write."""
-        data = json.dumps(asdict(self))
-        if data == getattr(self, "_published", None):
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(data)
-        os.replace(tmp, path)  # readers never see a partial file
-        if not hasattr(self, "_published"):
-            atexit.register(remove_account, path)
-        self._published = data
+
+# The account travels in SchedulerStats.num_kv_fetch_reqs_by_stage, a
+# ``dict[str, int]`` that vLLM builds afresh for every stats object, sends
+# from the engine core to the API server with the rest (msgspec, typed) and
+# reads only by its own stage names (``KV_FETCH_STAGES``). SchedulerStats
+# has no free slot, and an attribute of our own would not survive the
+# serialization. The entries are the account's non-zero fields, as running
+# totals, under this prefix; the stat logger takes them out before vLLM's
+# loggers look at the dict.
+ACCOUNT_STATS_FIELD = "num_kv_fetch_reqs_by_stage"
+ACCOUNT_KEY_PREFIX = "rocketkv:"
+ACCOUNT_FIELDS = tuple(f.name for f in fields(PrefixCacheAccount))
+
+_warned: set[str] = set()
 
 
-def remove_account(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
-        path.parent.rmdir()  # the folder, once its last file is gone
-
-
-ACCOUNT_DIR_ENV = "ROCKETKV_ACCOUNT_DIR"  # tests: where the account files go
-
-
-def _process_key(pid: int) -> str:
-    """A process's id that survives pid reuse: pid and start time (Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            start = f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        start = "0"
-    return f"{pid}-{start}"
-
-
-def account_path(engine_index: int, frontend_pid: int | None = None) -> Path:
-    """Where the scheduler of engine ``engine_index`` publishes its account
-    for the API server that started it: the engine core runs in a child
-    process of the API server, so the scheduler names it by its parent
-    process, the API server's stat logger by itself."""
-    pid = os.getppid() if frontend_pid is None else frontend_pid
-    folder = Path(
-        os.environ.get(ACCOUNT_DIR_ENV) or Path(tempfile.gettempdir()) / "rocketkv-accounts"
+def _warn_once(what: str, error: str) -> None:
+    if what in _warned:
+        return
+    _warned.add(what)
+    logger.warning(
+        "ROCKETKV: %s (%s); the rocketkv:* prefix-cache counters may be "
+        "incomplete. Logged once; serving continues.",
+        what,
+        error,
     )
-    return folder / f"{_process_key(pid)}-engine{engine_index}.json"
+
+
+def attach_account(stats, kv_cache_manager) -> None:
+    """Add the scheduler's account to the SchedulerStats it just made
+    (``Scheduler.make_stats``, ``vllm_patches``). Never raises: an error is
+    logged once and the stats go out without the account."""
+    try:
+        manager = rocketkv_manager(kv_cache_manager)
+        if manager is None or stats is None:
+            return
+        account = manager.prefix_account
+        entries = {}
+        for name in ACCOUNT_FIELDS:
+            value = getattr(account, name)
+            if type(value) is not int or value < 0:
+                raise TypeError(f"account field {name} = {value!r}")
+            if value:
+                entries[ACCOUNT_KEY_PREFIX + name] = value
+        if entries:  # a new dict: never the scheduler's own
+            setattr(stats, ACCOUNT_STATS_FIELD, {**getattr(stats, ACCOUNT_STATS_FIELD), **entries})
+    except Exception as e:  # noqa: BLE001 - metrics must never stop the scheduler
+        _warn_once("could not attach the prefix-cache account to the scheduler stats", repr(e))
+
+
+def take_account(stats) -> dict[str, int]:
+    """Take the account out of a SchedulerStats (the API server's stat
+    logger): the fields it carries, running totals. Entries that are not a
+    known field with a non-negative int are dropped, logged once. Never
+    raises."""
+    try:
+        carried = getattr(stats, ACCOUNT_STATS_FIELD, None)
+        if not isinstance(carried, dict):
+            return {}
+        keys = [k for k in carried if isinstance(k, str) and k.startswith(ACCOUNT_KEY_PREFIX)]
+        account = {}
+        for key in keys:
+            value = carried.pop(key)
+            name = key[len(ACCOUNT_KEY_PREFIX) :]
+            if name in ACCOUNT_FIELDS and type(value) is int and value >= 0:
+                account[name] = value
+            else:
+                _warn_once("ignored a malformed prefix-cache account entry", f"{key}={value!r}")
+        return account
+    except Exception as e:  # noqa: BLE001 - metrics must never stop the output handler
+        _warn_once("could not read the prefix-cache account from the scheduler stats", repr(e))
+        return {}
 
 
 class RocketKVManager(FullAttentionManager):
@@ -177,7 +211,6 @@ class RocketKVManager(FullAttentionManager):
         # Each prompt chunk being scheduled: (tokens computed before, end).
         self._chunk_ends: dict[str, tuple[int, int]] = {}
         self.prefix_account = PrefixCacheAccount()
-        self._account_path: Path | None = None  # where publish_account writes
         # Hit tokens the cap left unused, per request, from its latest lookup:
         # counted once the request is admitted with that hit (a request that
         # waits is looked up again every step).
@@ -240,13 +273,6 @@ class RocketKVManager(FullAttentionManager):
         if record and num_hit_tokens > cap:
             self._unused_hit[request.request_id] = num_hit_tokens - cap
         return min(num_hit_tokens, cap)
-
-    def publish_account(self, engine_index: int) -> None:
-        """Write the prefix-cache account for the API server's metrics (its
-        path, which reads /proc, is found once)."""
-        if self._account_path is None:
-            self._account_path = account_path(engine_index)
-        self.prefix_account.publish(self._account_path)
 
     def new_step_starts(self) -> None:
         self._hashed_this_step.clear()

@@ -13,11 +13,13 @@ already streams back for every request: no counter lives in a worker, and the
 names and values are the same whatever the process layout (tensor / data
 parallel, Ray, several API servers with Prometheus multiprocess mode). The
 one exception is what only the scheduler knows, how much of a prefix-cache
-hit ROCKETKV did not use: its account (``kv_cache.PrefixCacheAccount``) is
-published with vLLM's scheduler stats to a small file per engine that this
-logger reads (``kv_cache.account_path``: engines that are not child
-processes of this API server, on other hosts or under several API servers,
-are not counted).
+hit ROCKETKV did not use, and the host tier's stores and loads: its account
+(``kv_cache.PrefixCacheAccount``) rides in vLLM's own SchedulerStats, which
+every engine core sends to the API server with its outputs, so it reaches
+this logger with vLLM's ``engine_idx`` (the engine's data-parallel index)
+wherever the engine runs. No file: a shared folder could stop an engine or
+the server and was open to other local users. Reading it never raises; a
+malformed entry is dropped and logged once.
 
 What is exported (labels ``model_name``, ``engine``, as vLLM's own metrics):
 
@@ -49,9 +51,6 @@ own, so each counts. A request preempted and recomputed is counted once.
 
 from __future__ import annotations
 
-import atexit
-import json
-import os
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -61,7 +60,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from rocketkv_vllm.config import RocketKVSettings, settings_for
 from rocketkv_vllm.engine import is_rocketkv_engine
 from rocketkv_vllm.host_tier import has_host_tier
-from rocketkv_vllm.kv_cache import account_path, remove_account
+from rocketkv_vllm.kv_cache import take_account
 from rocketkv_vllm.plan import PlanCache, RequestPlan, view_pages
 from rocketkv_vllm.requests import planned_budget
 
@@ -284,11 +283,6 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             field: per_engine(Counter(name=name, documentation=doc, labelnames=labelnames))
             for field, (name, doc) in fields.items()
         }
-        self._account_paths = {
-            i: account_path(i, frontend_pid=os.getpid()) for i in self.engine_indexes
-        }
-        for path in self._account_paths.values():  # engines may be killed
-            atexit.register(remove_account, path)
         self._accounted: dict[tuple[int, str], int] = {}
         info = self.settings.as_dict()
         info_gauge = Gauge(
@@ -303,8 +297,12 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
         if not self.enabled:
             return
-        if scheduler_stats is not None and engine_idx in self.prompts_compressed:
-            self._record_account(engine_idx)
+        if scheduler_stats is not None:
+            # Taken out even for an unknown engine: vLLM's loggers, next in
+            # line, must not see the entries.
+            account = take_account(scheduler_stats)
+            if engine_idx in self.prompts_compressed:
+                self._record_account(engine_idx, account)
         if iteration_stats is None:
             return
         outputs = iteration_stats.__dict__.get(_OUTPUTS_ATTR)
@@ -326,16 +324,14 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
                 )
                 self.context[engine_idx].inc(seq_len)
 
-    def _record_account(self, engine_idx: int) -> None:
-        """The scheduler's prefix-cache account (``kv_cache``), published
-        with its stats: counters move by what it added since last read."""
-        path = self._account_paths[engine_idx]
-        try:
-            account = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return  # not written yet (or the engine runs on another host)
+    def _record_account(self, engine_idx: int, account: dict[str, int]) -> None:
+        """The scheduler's prefix-cache account (``kv_cache``), carried by
+        its stats as running totals (fields still 0 are left out): counters
+        move by what it added since the last stats."""
         for field, counters in self.account_counters.items():
-            value = int(account.get(field, 0))
+            if field not in account:
+                continue
+            value = account[field]
             seen = self._accounted.get((engine_idx, field), 0)
             if value > seen:
                 counters[engine_idx].inc(value - seen)
@@ -364,8 +360,6 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
     def log_engine_initialized(self):
         if self.enabled:
             logger.info(
-                "ROCKETKV metrics: rocketkv:* counters on /metrics "
-                "(engines %s; scheduler accounts %s).",
+                "ROCKETKV metrics: rocketkv:* counters on /metrics (engines %s).",
                 self.engine_indexes,
-                sorted(str(p) for p in self._account_paths.values()),
             )

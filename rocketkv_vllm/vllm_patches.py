@@ -153,11 +153,9 @@ def _reserve_prefill_lookahead(original):
 def _make_stats(original):
     def make_stats(self, *args, **kwargs):
         stats = original(self, *args, **kwargs)
-        from rocketkv_vllm.kv_cache import rocketkv_manager
+        from rocketkv_vllm.kv_cache import attach_account
 
-        manager = rocketkv_manager(self.kv_cache_manager)
-        if stats is not None and manager is not None:
-            manager.publish_account(self.vllm_config.parallel_config.data_parallel_rank)
+        attach_account(stats, self.kv_cache_manager)  # never raises
         return stats
 
     return make_stats
@@ -379,8 +377,8 @@ PATCHES: tuple[Patch, ...] = (
         "make_stats",
         ("self",),
         _make_stats,
-        "publish the scheduler's prefix-cache account for the API server's "
-        "rocketkv:* metrics, with vLLM's own scheduler stats (kv_cache, metrics)",
+        "carry the scheduler's prefix-cache account inside vLLM's own scheduler "
+        "stats to the API server's rocketkv:* metrics (kv_cache, metrics)",
         exact=False,
     ),
     Patch(

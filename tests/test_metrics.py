@@ -8,7 +8,6 @@ the server reports.
 
 import ast
 import math
-import os
 import time
 from types import SimpleNamespace
 
@@ -305,49 +304,59 @@ def test_server_logs_each_compressed_prompt(metrics_server):
     assert "ROCKETKV metrics: rocketkv:* counters on /metrics" in log
 
 
-def test_the_schedulers_prefix_cache_account_reaches_the_counter(monkeypatch, tmp_path):
+def _stats_carrying(account):
+    """SchedulerStats as the scheduler makes them, with its account."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from rocketkv_vllm.kv_cache import attach_account
+
+    manager = SimpleNamespace(prefix_account=account)
+    stats = SchedulerStats()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("rocketkv_vllm.kv_cache.rocketkv_manager", lambda kv_cache_manager: manager)
+        attach_account(stats, None)
+    return stats
+
+
+def test_the_schedulers_prefix_cache_account_reaches_the_counter():
     """What only the scheduler knows (tokens of a prefix hit ROCKETKV did
-    not use) travels in the account file it publishes with its stats; the
-    stat logger adds what is new since its last read."""
+    not use) travels in its account, inside vLLM's scheduler stats
+    (``kv_cache.attach_account``; the round trip through vLLM's encoder:
+    test_account); the stat logger adds what is new since the last stats."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from rocketkv_vllm.kv_cache import PrefixCacheAccount, account_path
+    from rocketkv_vllm.kv_cache import PrefixCacheAccount
     from rocketkv_vllm.metrics import RocketKVStatLogger, unregister_rocketkv_metrics
     from rocketkv_vllm.plugin import register
 
-    monkeypatch.setenv("ROCKETKV_ACCOUNT_DIR", str(tmp_path / "accounts"))
     register()
     unregister_rocketkv_metrics()
     config = _fake_vllm_config(AttentionBackendEnum.CUSTOM)
     stat_logger = RocketKVStatLogger(config, [0])
     name = "rocketkv:prefix_tokens_recomputed_total"
-    stat_logger.record(SimpleNamespace(), None, engine_idx=0)  # nothing published yet
-    assert _sample(name) == 0
     account = PrefixCacheAccount()
-    path = account_path(0, frontend_pid=os.getpid())  # as the scheduler names it
-    assert path.parent == tmp_path / "accounts"
+    stat_logger.record(_stats_carrying(account), None, engine_idx=0)  # nothing yet
+    assert _sample(name) == 0
     account.tokens_recomputed = 32
-    account.publish(path)
-    stat_logger.record(SimpleNamespace(), None, engine_idx=0)
-    stat_logger.record(SimpleNamespace(), None, engine_idx=0)  # read twice: once counted
+    stat_logger.record(_stats_carrying(account), None, engine_idx=0)
+    stat_logger.record(_stats_carrying(account), None, engine_idx=0)  # same total: once
     assert _sample(name) == 32
     account.tokens_recomputed = 96
-    account.publish(path)
-    stat_logger.record(None, None, engine_idx=0)  # no scheduler stats: not read
+    stat_logger.record(None, None, engine_idx=0)  # no scheduler stats: nothing new
     assert _sample(name) == 32
-    stat_logger.record(SimpleNamespace(), None, engine_idx=0)
+    stat_logger.record(_stats_carrying(account), None, engine_idx=0)
     assert _sample(name) == 96
     assert _sample("rocketkv:host_blocks_stored_total") is None  # no host tier, no counter
     unregister_rocketkv_metrics()
 
 
-def test_the_host_tiers_account_reaches_its_counters(monkeypatch, tmp_path):
+def test_the_host_tiers_account_reaches_its_counters():
     """With the host tier, its stores, loads, bytes and recomputed tokens
-    (``host_tier.scheduler``) travel in the same account file."""
+    (``host_tier.scheduler``) travel in the same account."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from rocketkv_vllm.host_tier import CONNECTOR_NAME
-    from rocketkv_vllm.kv_cache import PrefixCacheAccount, account_path
+    from rocketkv_vllm.kv_cache import PrefixCacheAccount
     from rocketkv_vllm.metrics import (
         ACCOUNT_COUNTERS,
         RocketKVStatLogger,
@@ -355,7 +364,6 @@ def test_the_host_tiers_account_reaches_its_counters(monkeypatch, tmp_path):
     )
     from rocketkv_vllm.plugin import register
 
-    monkeypatch.setenv("ROCKETKV_ACCOUNT_DIR", str(tmp_path / "accounts"))
     register()
     unregister_rocketkv_metrics()
     config = _fake_vllm_config(AttentionBackendEnum.CUSTOM, kv_connector=CONNECTOR_NAME)
@@ -365,8 +373,7 @@ def test_the_host_tiers_account_reaches_its_counters(monkeypatch, tmp_path):
     assert len(fields) == 7
     for i, field in enumerate(fields):
         setattr(account, field, 10 * (i + 1))
-    account.publish(account_path(0, frontend_pid=os.getpid()))
-    stat_logger.record(SimpleNamespace(), None, engine_idx=0)
+    stat_logger.record(_stats_carrying(account), None, engine_idx=0)
     for i, field in enumerate(fields):
         assert _sample(ACCOUNT_COUNTERS[field][0] + "_total") == 10 * (i + 1), field
     unregister_rocketkv_metrics()
