@@ -10,11 +10,21 @@ ROCKETKV cannot serve. (An engine's settings are read from its
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import asdict
 
 from vllm.logger import init_logger
 
-from rocketkv_vllm.config import RocketKVConfigError, RocketKVSettings, settings_for, test_aids_for
+from rocketkv_vllm.config import (
+    CONFIG_KEY,
+    TEST_AIDS_KEY,
+    RocketKVConfigError,
+    RocketKVSettings,
+    _normalized,
+    settings_for,
+    test_aids_for,
+)
 from rocketkv_vllm.fp8_kv import FP8_FORMATS
 from rocketkv_vllm.plan import plan_request
 
@@ -82,7 +92,7 @@ def configure_engine(vllm_config) -> None:
         raise ValueError("ROCKETKV attention backend does not support: " + "; ".join(refusals))
 
     settings = settings_for(vllm_config)
-    test_aids_for(vllm_config)  # refuse bad test switches at startup too
+    warn_test_switches(vllm_config, settings)
 
     if cache_config.prefix_cache_retention_interval == 0:
         # vLLM's default keeps a sliding-window group's blocks only at each
@@ -130,6 +140,95 @@ def configure_engine(vllm_config) -> None:
         )
 
 
+def warn_test_switches(vllm_config, settings: RocketKVSettings) -> None:
+    """Refuse bad test switches at startup, and say once when one is on:
+    they change what an engine does for the sake of a test, never for its
+    users (``additional_config["rocketkv_testing"]``, evicted blocks kept,
+    interpreted Triton kernels)."""
+    aids = test_aids_for(vllm_config)
+    on = [f"{TEST_AIDS_KEY}.{name}" for name, value in asdict(aids).items() if value]
+    if not settings.free_evicted_blocks:
+        on.append("rocketkv.free_evicted_blocks=false (evicted blocks are kept: no memory saved)")
+    if settings.kernel == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        on.append("rocketkv.kernel='triton' with TRITON_INTERPRET=1 (interpreted: very slow)")
+    if on:
+        logger.warning_once(
+            "ROCKETKV: switches meant for tests or A/B checks are on: %s. Not for "
+            "production; remove them from --additional-config.",
+            "; ".join(on),
+        )
+
+
+def warn_ignored_settings(vllm_config) -> None:
+    """Say once that ``additional_config`` holds ROCKETKV settings an engine
+    without the ROCKETKV attention backend ignores (``--attention-backend
+    ROCKETKV`` missing or another backend chosen)."""
+    if is_rocketkv_engine(vllm_config):
+        return
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict):
+        return
+    ignored = []
+    ours = {_normalized(CONFIG_KEY), _normalized(TEST_AIDS_KEY)}
+    for key, value in extra.items():
+        if _normalized(str(key)) in ours:  # near misses (rocketKV) too
+            names = sorted(map(str, value)) if isinstance(value, dict) else value
+            ignored.append(f"{key}: {names!r}" if names else str(key))
+    if not ignored:
+        return
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    backend = "vLLM's default" if backend is None else getattr(backend, "name", str(backend))
+    logger.warning_once(
+        "ROCKETKV settings in additional_config are ignored (%s): the attention "
+        "backend is %s, not ROCKETKV; add --attention-backend ROCKETKV to use them.",
+        "; ".join(ignored),
+        backend,
+    )
+
+
+def check_host_tier_pool(vllm_config, kv_cache_config, num_host_blocks: int) -> None:
+    """Refuse a host tier (``kv_offloading_size``) whose pool holds one block,
+    vLLM's null block, so that nothing is ever stored (vLLM runs it
+    silently); warn when it holds fewer blocks than one prompt of
+    ``max_model_len`` tokens needs. For the host-tier connector's scheduler
+    side, once vLLM has sized the pool (``num_cpu_blocks``: at least 1, the
+    pool bytes per rank over the bytes one block id holds in all layers)."""
+    cache = vllm_config.cache_config
+    world = vllm_config.parallel_config.world_size
+    block_bytes = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
+    if cache.kv_offloading_size is not None:
+        size = f"kv_offloading_size={cache.kv_offloading_size:g}"
+    else:
+        size = "kv_connector_extra_config.cpu_bytes_to_use"
+
+    def minimum(blocks: int) -> str:  # the size holding this many blocks per rank
+        if cache.kv_offloading_size is None:
+            return f"cpu_bytes_to_use={blocks * block_bytes * world}"
+        gib = math.ceil(blocks * block_bytes * world / (1 << 30) * 1e4) / 1e4
+        return f"kv_offloading_size={gib:g} (GiB)"
+
+    if num_host_blocks < 2:
+        raise ValueError(
+            f"{size} is too small for the host tier: its pool holds {num_host_blocks} "
+            f"block of {block_bytes} bytes per rank, vLLM's null block, so nothing "
+            f"would be stored; allowed: at least {minimum(2)}, two blocks, or no host tier"
+        )
+    usable = num_host_blocks - 1
+    request_blocks = math.ceil(vllm_config.model_config.max_model_len / cache.block_size)
+    if usable < request_blocks:
+        logger.warning_once(
+            "Host tier: %s holds %d blocks of %d tokens (%d tokens), fewer than one "
+            "prompt of max_model_len=%d tokens needs (%s holds one).",
+            size,
+            usable,
+            cache.block_size,
+            usable * cache.block_size,
+            vllm_config.model_config.max_model_len,
+            minimum(request_blocks + 1),
+        )
+
+
 def cache_dtype_refusals(cache_config, model_config) -> list[str]:
     """Why ROCKETKV cannot use this kv_cache_dtype here, if it cannot: fp8
     caches (per-tensor scales) are read where the dense backend ROCKETKV runs
@@ -146,6 +245,15 @@ def cache_dtype_refusals(cache_config, model_config) -> list[str]:
     name = f"kv_cache_dtype={dtype}"
     if dtype not in FP8_FORMATS:
         return [f"{name} (allowed: auto, {model_dtype}, {', '.join(FP8_FORMATS)})"]
+    skipped = list(getattr(cache_config, "kv_cache_dtype_skip_layers", None) or [])
+    if skipped:
+        # Skipped layers get a model-dtype cache next to fp8 ones: two page
+        # sizes and KT formats in one engine, which ROCKETKV does not handle.
+        return [
+            f"kv_cache_dtype_skip_layers={skipped} with {name} (ROCKETKV runs one "
+            "KV cache dtype for all its layers: drop kv_cache_dtype_skip_layers or "
+            "use kv_cache_dtype=auto)"
+        ]
     if current_platform.is_cuda():
         if not current_platform.has_device_capability(89):
             return [
