@@ -436,3 +436,11 @@ def test_every_cached_block_is_dense_around_the_kept_token_boundary(
     assert len(engine.checked) > 20 and engine.device_checked > 100
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == engine.free_at_start
+
+
+def test_a_host_pool_of_only_the_null_block_is_refused(model_path):
+    """vLLM sizes its host pool to at least one block, the null block, and
+    then stores nothing, silently; the host-tier connector refuses it at
+    startup, naming the setting."""
+    with pytest.raises(ValueError, match=r"kv_offloading_size=.*null block"):
+        FakeEngine(model_path, host_gib=1.5 * BLOCK_BYTES / (1 << 30))

@@ -22,8 +22,13 @@ class HostTierConnector(SimpleCPUOffloadConnector):
         from vllm.platforms import current_platform
 
         if self.scheduler_manager is not None:
+            from rocketkv_vllm.engine import check_host_tier_pool
             from rocketkv_vllm.host_tier.scheduler import RocketKVHostScheduler
 
+            # vLLM serves a pool of only its null block silently: refused.
+            check_host_tier_pool(
+                vllm_config, kv_cache_config, self.scheduler_manager.num_cpu_blocks
+            )
             RocketKVHostScheduler.adopt(self.scheduler_manager)
         worker = self.worker_handler
         if role == KVConnectorRole.WORKER and worker is not None and current_platform.is_cpu():
