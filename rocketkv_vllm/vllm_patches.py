@@ -20,6 +20,18 @@ budget. ROCKETKV therefore wraps a few vLLM methods. Each wrapper:
 Besides the table, one name is added to vLLM's backend enum:
 ``AttentionBackendEnum["ROCKETKV"]`` is an alias of its ``CUSTOM`` member
 (``alias_backend_name``).
+
+A second table, ``RELIED_ON``, lists every other vLLM internal the package
+relies on without wrapping it: private attributes and methods it reads or
+calls, the methods of vLLM classes it overrides (a rename in vLLM would make
+vLLM silently stop calling the override), the host tier's runtime class swap
+and its replacement of a coordinator method. ``require()`` checks them all
+once per process (``relied_problems``) and refuses a ROCKETKV engine naming
+every one that fails; engines with other backends never run the check.
+
+``plugin.register`` records a failure of any of its steps here too
+(``record_failure``) and never raises, so a broken ROCKETKV stops only
+ROCKETKV engines.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +84,7 @@ def _get_attn_backend_cls(original):
         from rocketkv_vllm.engine import is_rocketkv, validated_backend_path
 
         if is_rocketkv(selected_backend):
+            require()  # also here: the check_and_update_config wrapper may be missing
             if attn_selector_config.has_sliding_window:
                 # Sliding-window layers of a hybrid model: vLLM's own choice.
                 return original(cls, None, attn_selector_config, num_heads)
@@ -148,6 +163,37 @@ def _reserve_prefill_lookahead(original):
         return manager.chunk_tokens(request, num_computed_tokens, num_new_tokens)
 
     return _reserve_prefill_lookahead
+
+
+def _coordinator_cache_blocks(original):
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        from rocketkv_vllm.kv_cache import RocketKVManager
+
+        managers = self.single_type_managers
+        rocketkv = next((m for m in managers if isinstance(m, RocketKVManager)), None)
+        if rocketkv is None or len(managers) == 1:
+            return original(self, request, num_computed_tokens)
+        dense = rocketkv.dense_prefix_tokens(request)
+        if num_computed_tokens <= dense:
+            return original(self, request, num_computed_tokens)
+        # vLLM's own loop twice: the other groups (a hybrid model's sliding
+        # windows) hash only the dense prefix, ROCKETKV's group keeps its rules.
+        others = [m for m in managers if m is not rocketkv and m.enable_caching]
+        if rocketkv.enable_caching:
+            for m in others:
+                m.enable_caching = False
+            try:
+                original(self, request, num_computed_tokens)
+            finally:
+                for m in others:
+                    m.enable_caching = True
+        rocketkv_caching, rocketkv.enable_caching = rocketkv.enable_caching, False
+        try:
+            original(self, request, dense)
+        finally:
+            rocketkv.enable_caching = rocketkv_caching
+
+    return cache_blocks
 
 
 def _make_stats(original):
@@ -372,6 +418,16 @@ PATCHES: tuple[Patch, ...] = (
         "target, so the target reaches the prefix cache (kv_cache)",
     ),
     Patch(
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator",
+        "cache_blocks",
+        ("self", "request", "num_computed_tokens"),
+        _coordinator_cache_blocks,
+        "a hybrid model's other KV cache groups hash a compressed request's "
+        "dense prefix only: its tail and generated tokens came through the "
+        "compressed layers (kv_cache.RocketKVManager.dense_prefix_tokens)",
+    ),
+    Patch(
         "vllm.v1.core.sched.scheduler",
         "Scheduler",
         "make_stats",
@@ -448,7 +504,674 @@ _ALSO = {
     ("GPUModelRunner", "_determine_batch_execution_and_padding"): ("force_uniform_decode",),
 }
 
-_failures: dict[str, str] = {}  # target -> why it was not installed
+# -- what ROCKETKV relies on without wrapping it --------------------------------
+
+
+@dataclass(frozen=True)
+class Relied:
+    """One vLLM internal the package relies on, checked by ``relied_problem``.
+
+    kind:
+    - "attr": the owner has it: a class attribute or method
+      (``inspect.getattr_static``), an annotation in the class or a base, or
+      (an instance attribute set at run time, which the class cannot show)
+      an assignment ``self.<name> = ...`` / ``self.<name>: ... =`` in the
+      source of a method of the class or a base: a text search, so it proves
+      the name is still written, not what it holds;
+    - "method": the owner defines a callable of that name whose parameters
+      are ``params`` (or start with them: ``exact=False``);
+    - "override": ``used_by`` (our subclass) overrides it: the vLLM class
+      still defines it, with the parameters our override was written for,
+      so vLLM still calls ours;
+    - "swap": an instance of the owner may become an instance of a subclass
+      that adds attributes (``obj.__class__ = Subclass``): tried on a bare
+      instance;
+    - "replace": the owner's method may be replaced on an instance (its
+      instances have a ``__dict__``), has ``params``, and ``caller``'s source
+      calls it through the instance (a text search for ``.<name>(``).
+    """
+
+    module: str
+    owner: str  # a class in the module, or "" (the module itself)
+    name: str
+    kind: str
+    why: str
+    used_by: str  # where in rocketkv_vllm (for "override": our subclass)
+    params: tuple[str, ...] | None = None
+    exact: bool = True
+    platform: str | None = None  # "cpu": checked on vLLM's CPU build only
+    caller: str | None = None  # "replace": module.Class.method that calls it
+
+    @property
+    def target(self) -> str:
+        return ".".join(p for p in (self.module, self.owner, self.name) if p)
+
+
+_KV = "vllm.v1.core.single_type_kv_cache_manager"
+_OFFLOAD = "vllm.v1.simple_kv_offload.manager"
+_OFFLOAD_WORKER = "vllm.v1.simple_kv_offload.worker"
+_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector"
+_BACKEND = "vllm.v1.attention.backend"
+_MANAGER = "rocketkv_vllm.kv_cache.RocketKVManager"
+_HOST = "rocketkv_vllm.host_tier.scheduler.RocketKVHostScheduler"
+_HOST_CONNECTOR = "rocketkv_vllm.host_tier.connector.HostTierConnector"
+_HOST_WORKER = "rocketkv_vllm.host_tier.cpu_worker.HostCopyWorker"
+_ROCKET_BACKEND = "rocketkv_vllm.backend.RocketKVBackend"
+_IMPL = "rocketkv_vllm.backend.impl.RocketKVImpl"
+_BUILDER = "rocketkv_vllm.backend.metadata.RocketKVMetadataBuilder"
+_STATS = "rocketkv_vllm.metrics.RocketKVStatLogger"
+
+
+def _override(module, owner, name, params, used_by, why="", **kw) -> Relied:
+    why = why or f"{used_by.rsplit('.', 1)[1]}.{name} overrides it"
+    return Relied(module, owner, name, "override", why, used_by, tuple(params), **kw)
+
+
+_FAM = "FullAttentionManager"
+_SCHED = "SimpleCPUOffloadScheduler"
+
+RELIED_ON: tuple[Relied, ...] = (
+    # -- plugin registration (plugin, kv_cache, host_tier) --
+    Relied(
+        "vllm.v1.attention.backends.registry",
+        "AttentionBackendEnum",
+        "_member_map_",
+        "attr",
+        "ROCKETKV's name is added to the enum's name lookup",
+        "rocketkv_vllm.vllm_patches.alias_backend_name",
+    ),
+    Relied(
+        "vllm.v1.kv_cache_spec_registry",
+        "KVCacheSpecRegistry",
+        "_ensure_registered",
+        "method",
+        "fill the registry with vLLM's own specs before adding ROCKETKV's",
+        "rocketkv_vllm.kv_cache.register_kv_cache_spec",
+        ("cls",),
+        exact=False,
+    ),
+    Relied(
+        "vllm.distributed.kv_transfer.kv_connector.factory",
+        "KVConnectorFactory",
+        "_registry",
+        "attr",
+        "register the host-tier connector once per process",
+        "rocketkv_vllm.host_tier.register_connector",
+    ),
+    # -- ROCKETKV's block manager (kv_cache) --
+    _override(_KV, _FAM, "__init__", ("self", "kv_cache_spec"), _MANAGER, exact=False),
+    _override(
+        _KV,
+        _FAM,
+        "remove_skipped_blocks",
+        ("self", "request_id", "processed_computed_tokens", "num_prompt_tokens"),
+        _MANAGER,
+        "give back a compressed prompt's blocks after its Stage 1 step",
+    ),
+    _override(_KV, _FAM, "new_step_starts", ("self",), _MANAGER),
+    _override(
+        _KV,
+        _FAM,
+        "get_num_blocks_to_allocate",
+        (
+            "self",
+            "request_id",
+            "num_tokens",
+            "new_computed_blocks",
+            "total_computed_tokens",
+            "num_local_computed_tokens",
+            "num_tokens_main_model",
+            "apply_admission_cap",
+            "prefill_end",
+        ),
+        _MANAGER,
+        "count the private copies of hit compaction targets",
+    ),
+    _override(
+        _KV,
+        _FAM,
+        "add_local_computed_blocks",
+        (
+            "self",
+            "request_id",
+            "new_computed_blocks",
+            "num_local_computed_tokens",
+            "num_external_computed_tokens",
+        ),
+        _MANAGER,
+        "copy hit compaction targets (copy-on-write) at admission",
+    ),
+    _override(_KV, _FAM, "free", ("self", "request_id"), _MANAGER),
+    _override(
+        _KV,
+        _FAM,
+        "cache_blocks",
+        ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"),
+        _MANAGER,
+        "hash only a compressed prompt's dense blocks",
+    ),
+    _override(
+        _KV,
+        _FAM,
+        "take_pending_cow_copies",
+        ("self",),
+        _MANAGER,
+        "copy compaction targets into the prefix cache before Stage 1",
+    ),
+    _override(_KV, _FAM, "pop_blocks_for_free", ("self", "request_id"), _MANAGER),
+    Relied(
+        _KV,
+        _FAM,
+        "_remove_blocks_in_range",
+        "method",
+        "give back a compressed prompt's middle blocks",
+        _MANAGER,
+        ("self", "request_id", "first_block", "last_block"),
+    ),
+    Relied(
+        _KV,
+        _FAM,
+        "_apply_cow",
+        "method",
+        "private copy of a hit compaction target",
+        _MANAGER,
+        ("self", "request_id", "block_idx", "source_block", "cow_block"),
+    ),
+    Relied(_KV, _FAM, "_pending_cow_copies", "attr", "queue target copies", _MANAGER),
+    Relied(_KV, _FAM, "_record_new_block_ids", "attr", "report copies' blocks", _MANAGER),
+    Relied(_KV, _FAM, "_null_block", "attr", "placeholder in cache_full_blocks", _MANAGER),
+    # -- the host tier's scheduler half (host_tier.scheduler) --
+    Relied(
+        _OFFLOAD,
+        _SCHED,
+        "__class__",
+        "swap",
+        "RocketKVHostScheduler.adopt turns the scheduler vLLM's connector built "
+        "into RocketKVHostScheduler (manager.__class__ = cls)",
+        _HOST,
+    ),
+    Relied(
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator",
+        "find_longest_cache_hit",
+        "replace",
+        "RocketKVHostScheduler.adopt replaces it on the host pool's coordinator "
+        "(host hits within the window cap); also called by the get_computed_blocks "
+        "wrapper",
+        _HOST,
+        ("self", "block_hashes", "max_cache_hit_length"),
+        caller=f"{_OFFLOAD}.{_SCHED}.get_num_new_matched_tokens",
+    ),
+    _override(
+        _OFFLOAD,
+        _SCHED,
+        "get_num_new_matched_tokens",
+        ("self", "request", "num_computed_tokens"),
+        _HOST,
+        "cap host hits before a compressed prompt's window",
+    ),
+    _override(
+        _OFFLOAD,
+        _SCHED,
+        "update_state_after_alloc",
+        ("self", "request", "blocks", "num_external_tokens"),
+        _HOST,
+    ),
+    _override(_OFFLOAD, _SCHED, "request_finished", ("self", "request", "block_ids"), _HOST),
+    _override(
+        _OFFLOAD,
+        _SCHED,
+        "build_connector_meta",
+        ("self", "scheduler_output"),
+        _HOST,
+        "store compaction targets and given-back blocks",
+    ),
+    _override(
+        _OFFLOAD,
+        _SCHED,
+        "_process_store_completion",
+        ("self", "gpu_block_ids", "cpu_block_ids", "block_meta"),
+        _HOST,
+        "insert stored compaction targets under their dense hashes",
+    ),
+    _override(_OFFLOAD, _SCHED, "update_connector_output", ("self", "connector_output"), _HOST),
+    _override(_OFFLOAD, _SCHED, "_release_transfer_refs", ("self", "transfer"), _HOST),
+    Relied(
+        _OFFLOAD,
+        _SCHED,
+        "_free_pending_cpu_hit",
+        "method",
+        "drop a host hit the window cap removes",
+        _HOST,
+        ("self", "pending"),
+    ),
+    *(
+        Relied(_OFFLOAD, _SCHED, name, "attr", why, _HOST)
+        for name, why in (
+            ("_pending_cpu_hits", "drop a host hit the window cap removes"),
+            ("_reqs_to_store", "requests whose blocks vLLM stores"),
+            ("_in_flight_store_gpu_blocks", "blocks being stored"),
+            ("_gpu_block_pool", "the device block pool"),
+            ("cpu_block_pool", "the host block pool"),
+            ("cpu_coordinator", "the host pool's coordinator (its lookup replaced)"),
+            ("_pending_finished_stores", "queue stores of targets and given-back blocks"),
+            ("_interval_load_blocks_completed", "count host blocks loaded"),
+            ("enable_kv_cache_events", "store metadata for KV events"),
+            ("cpu_kv_cache_config", "a host block's bytes"),
+        )
+    ),
+    Relied(
+        _OFFLOAD,
+        "TransferMeta",
+        "__init__",
+        "method",
+        "queue a store (positional fields)",
+        _HOST,
+        ("self", "gpu_block_ids", "cpu_block_ids", "block_meta"),
+    ),
+    Relied(
+        "vllm.v1.core.block_pool",
+        "BlockPool",
+        "_insert_block_hash",
+        "method",
+        "a stored compaction target enters the host cache under its dense hash",
+        _HOST,
+        ("self", "block_hash_with_group_id", "block", "num_tokens"),
+    ),
+    Relied(
+        _OFFLOAD,
+        _SCHED,
+        "_derive_cpu_config",
+        "method",
+        "the host pool's size, as the scheduler half computes it",
+        _HOST_WORKER,
+        ("gpu_config", "cpu_capacity_bytes"),
+    ),
+    # -- the host-tier connector and worker (host_tier.connector, cpu_worker) --
+    _override(
+        _CONNECTOR,
+        "SimpleCPUOffloadConnector",
+        "__init__",
+        ("self", "vllm_config", "role", "kv_cache_config"),
+        _HOST_CONNECTOR,
+    ),
+    _override(
+        _CONNECTOR,
+        "SimpleCPUOffloadConnector",
+        "bind_kv_cache_manager",
+        ("self", "kv_cache_manager"),
+        _HOST_CONNECTOR,
+    ),
+    Relied(
+        _CONNECTOR,
+        "SimpleCPUOffloadConnector",
+        "scheduler_manager",
+        "attr",
+        "the scheduler half to adopt",
+        _HOST_CONNECTOR,
+    ),
+    Relied(
+        _CONNECTOR,
+        "SimpleCPUOffloadConnector",
+        "worker_handler",
+        "attr",
+        "the worker half to replace on CPU",
+        _HOST_CONNECTOR,
+    ),
+    Relied(
+        _OFFLOAD_WORKER,
+        "SimpleCPUOffloadWorker",
+        "__init__",
+        "method",
+        "the host copy worker is built with vLLM's worker's arguments",
+        _HOST_CONNECTOR,
+        ("self", "vllm_config", "kv_cache_config", "cpu_capacity_bytes", "kv_offload_backend"),
+        exact=False,
+    ),
+    *(
+        _override(_OFFLOAD_WORKER, "SimpleCPUOffloadWorker", name, params, _HOST_WORKER)
+        for name, params in (
+            ("register_kv_caches", ("self", "kv_caches")),
+            ("start_load_kv", ("self",)),
+            ("wait_for_save", ("self",)),
+        )
+    ),
+    *(
+        Relied(_OFFLOAD_WORKER, "SimpleCPUOffloadWorker", name, "attr", why, _HOST_WORKER)
+        for name, why in (
+            ("_connector_metadata", "the step's transfers"),
+            ("_load_hwm", "loads done"),
+            ("_store_hwm", "stores done"),
+            ("disk_mode", "refuse disk mode on CPU"),
+            ("disk_path", "passed on to the host copy worker"),
+            ("cpu_capacity_bytes", "the host pool's size"),
+        )
+    ),
+    # -- the backend (backend) --
+    Relied(
+        _BACKEND,
+        "AttentionBackend",
+        "forward_includes_kv_cache_update",
+        "attr",
+        "the native backend writes the KV cache in do_kv_cache_update",
+        _ROCKET_BACKEND,
+    ),
+    *(
+        _override(_BACKEND, "AttentionBackend", name, params, _ROCKET_BACKEND)
+        for name, params in (
+            ("get_name", ()),
+            ("get_impl_cls", ()),
+            ("get_builder_cls", ()),
+            ("get_supported_kernel_block_sizes", ("kv_cache_spec",)),
+            ("get_supported_head_sizes", ("cls",)),
+            ("supported_kv_cache_layouts", ("cls",)),
+            ("supports_sink", ("cls",)),
+            ("supports_kv_connector", ("cls",)),
+            ("customize_spec", ("cls", "spec")),
+        )
+    ),
+    _override(
+        _BACKEND,
+        "AttentionImpl",
+        "__init__",
+        (
+            "self",
+            "num_heads",
+            "head_size",
+            "scale",
+            "num_kv_heads",
+            "alibi_slopes",
+            "sliding_window",
+            "kv_cache_dtype",
+            "logits_soft_cap",
+            "attn_type",
+            "kv_sharing_target_layer_name",
+        ),
+        _IMPL,
+        "vLLM builds the impl (and ROCKETKV the native one) with these arguments",
+        exact=False,
+    ),
+    _override(
+        _BACKEND,
+        "AttentionImpl",
+        "forward",
+        (
+            "self",
+            "layer",
+            "query",
+            "key",
+            "value",
+            "kv_cache",
+            "attn_metadata",
+            "output",
+            "output_scale",
+            "output_block_scale",
+        ),
+        _IMPL,
+    ),
+    Relied(
+        "vllm.v1.attention.backends.cpu_attn",
+        "CPUAttentionBackendImpl",
+        "do_kv_cache_update",
+        "method",
+        "RocketKVImpl.do_kv_cache_update delegates to the native impl's",
+        _IMPL,
+        ("self", "layer", "key", "value", "kv_cache", "slot_mapping"),
+        platform="cpu",
+    ),
+    Relied(
+        "vllm.v1.attention.backends.cpu_attn",
+        "",
+        "_get_attn_isa",
+        "method",
+        "which CPU_ATTN kernels (and KV layout) the native backend uses",
+        "rocketkv_vllm.backend.native.native_backend",
+        ("dtype", "block_size", "head_size", "kv_cache_dtype"),
+        platform="cpu",
+    ),
+    Relied(
+        "vllm._custom_ops",
+        "",
+        "cpu_attn_reshape_and_cache",
+        "method",
+        "find CPU_ATTN's KV layout by letting its cache write store known values",
+        "rocketkv_vllm.backend.native.cpu_kv_layout",
+        (
+            "key",
+            "value",
+            "key_cache",
+            "value_cache",
+            "slot_mapping",
+            "isa",
+            "k_scale",
+            "v_scale",
+            "kv_cache_dtype",
+        ),
+        platform="cpu",
+    ),
+    *(
+        Relied(_BACKEND, "AttentionLayer", name, "attr", why, used_by)
+        for name, why, used_by in (
+            ("_q_scale", "quantize the native call's query", "rocketkv_vllm.backend.native"),
+            ("_k_scale_float", "the fp8 cache's K scale", "rocketkv_vllm.fp8_kv"),
+            ("_v_scale_float", "the fp8 cache's V scale", "rocketkv_vllm.fp8_kv"),
+        )
+    ),
+    Relied(
+        _BACKEND,
+        "AttentionMetadataBuilder",
+        "_cudagraph_support",
+        "attr",
+        "RocketKVMetadataBuilder sets its CUDA graph support",
+        _BUILDER,
+    ),
+    Relied(
+        _BACKEND,
+        "AttentionMetadataBuilder",
+        "reorder_batch_threshold",
+        "attr",
+        "the native builder's, taken over",
+        _BUILDER,
+    ),
+    _override(
+        _BACKEND,
+        "AttentionMetadataBuilder",
+        "__init__",
+        ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"),
+        _BUILDER,
+    ),
+    _override(
+        _BACKEND,
+        "AttentionMetadataBuilder",
+        "build",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        _BUILDER,
+    ),
+    _override(
+        _BACKEND,
+        "AttentionMetadataBuilder",
+        "get_cudagraph_support",
+        ("cls", "vllm_config", "kv_cache_spec"),
+        _BUILDER,
+    ),
+    Relied(
+        "vllm.v1.attention.selector",
+        "AttentionSelectorConfig",
+        "_asdict",
+        "method",
+        "vLLM's backend validation gets the selector's fields",
+        "rocketkv_vllm.engine.validated_backend_path",
+        ("self",),
+    ),
+    Relied(
+        _V2_RUNNER,
+        "BatchReqState",
+        "_replace",
+        "method",
+        "keep a step off FULL CUDA graphs",
+        "rocketkv_vllm.vllm_patches._v2_gather_batch_req_state",
+    ),
+    Relied(
+        _V2_RUNNER,
+        "BatchReqState",
+        "decode_graph_eligible",
+        "attr",
+        "keep a step off FULL CUDA graphs",
+        "rocketkv_vllm.vllm_patches._v2_gather_batch_req_state",
+    ),
+    # -- metrics (metrics) --
+    *(
+        _override("vllm.v1.metrics.loggers", "AggregateStatLoggerBase", name, params, _STATS)
+        for name, params in (
+            ("__init__", ("self", "vllm_config", "engine_indexes")),
+            (
+                "record",
+                ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),
+            ),
+            ("log_engine_initialized", ("self",)),
+        )
+    ),
+    Relied(
+        "prometheus_client.registry",
+        "CollectorRegistry",
+        "_collector_to_names",
+        "attr",
+        "find ROCKETKV's metrics to unregister",
+        "rocketkv_vllm.metrics.unregister_rocketkv_metrics",
+    ),
+    Relied(
+        "prometheus_client.metrics",
+        "MetricWrapperBase",
+        "_name",
+        "attr",
+        "a metric's name",
+        "rocketkv_vllm.metrics.unregister_rocketkv_metrics",
+    ),
+    # -- torch (engine) --
+    *(
+        Relied(
+            "torch.cpu",
+            "",
+            name,
+            "method",
+            "refuse an fp8 cache on a CPU without AVX-512 or AMX",
+            "rocketkv_vllm.engine.cache_dtype_refusals",
+            (),
+            platform="cpu",
+        )
+        for name in ("_is_avx512_supported", "_is_amx_tile_supported")
+    ),
+)
+
+
+def _resolve(module: str, owner: str):
+    mod = importlib.import_module(module)
+    return getattr(mod, owner) if owner else mod
+
+
+def _methods_source(klass) -> str:
+    """The source of every function defined in ``klass`` itself."""
+    parts = []
+    for attr in vars(klass).values():
+        func = getattr(attr, "__func__", attr)
+        func = getattr(func, "fget", func)  # a property's getter
+        if isinstance(func, types.FunctionType):
+            try:
+                parts.append(inspect.getsource(func))
+            except (OSError, TypeError):
+                pass
+    return "\n".join(parts)
+
+
+def _has_attr(owner, name: str) -> bool:
+    if isinstance(owner, types.ModuleType):
+        return hasattr(owner, name)
+    try:
+        inspect.getattr_static(owner, name)
+        return True
+    except AttributeError:
+        pass
+    assigned = re.compile(rf"\bself\.{re.escape(name)}\s*(?::[^=]+?)?=(?!=)")
+    for klass in owner.__mro__:
+        if klass is object:
+            continue
+        if name in vars(klass).get("__annotations__", {}):
+            return True
+        if assigned.search(_methods_source(klass)):
+            return True
+    return False
+
+
+def _params_problem(func, params: tuple[str, ...], exact: bool) -> str | None:
+    try:
+        actual = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError) as e:
+        return f"no signature ({e})"
+    expected = list(params)
+    if exact and actual != expected:
+        return f"expected parameters {expected}, found {actual}"
+    if not exact and actual[: len(expected)] != expected:
+        return f"expected parameters starting {expected}, found {actual}"
+    return None
+
+
+def _callable(owner, name: str):
+    if isinstance(owner, types.ModuleType):
+        attr = getattr(owner, name)
+    else:
+        attr = inspect.getattr_static(owner, name)
+    func = attr.__func__ if isinstance(attr, classmethod | staticmethod) else attr
+    return func if callable(func) else None
+
+
+def relied_problem(entry: Relied) -> str | None:
+    """Why the installed vLLM lacks what ``entry`` relies on, or None."""
+    try:
+        owner = _resolve(entry.module, entry.owner)
+        if entry.kind == "attr":
+            return None if _has_attr(owner, entry.name) else "not found"
+        if entry.kind == "swap":
+            probe = type("_SwapProbe", (owner,), {})
+            obj = object.__new__(owner)
+            obj.__class__ = probe
+            obj._rocketkv_probe = True  # the subclass adds attributes
+            return None
+        func = _callable(owner, entry.name)
+        if func is None:
+            return "not callable"
+        if entry.params is not None:
+            problem = _params_problem(func, entry.params, entry.exact)
+            if problem is not None:
+                return problem
+        if entry.kind == "replace":
+            if not owner.__dictoffset__:
+                return "its instances have no __dict__ (the method cannot be replaced)"
+            module, cls, method = entry.caller.rsplit(".", 2)
+            caller = _callable(_resolve(module, cls), method)
+            if f".{entry.name}(" not in inspect.getsource(caller):
+                return f"{entry.caller} no longer calls it through the instance"
+        return None
+    except Exception as e:  # noqa: BLE001 -- any failure is a refusal, named
+        return f"{type(e).__name__}: {e}"
+
+
+def relied_problems() -> dict[str, str]:
+    """Every ``RELIED_ON`` entry the installed vLLM fails, by target."""
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
+    problems = {}
+    for entry in RELIED_ON:
+        if entry.platform == "cpu" and not cpu:
+            continue
+        problem = relied_problem(entry)
+        if problem is not None:
+            problems[entry.target] = f"{problem} (relied on by {entry.used_by}: {entry.why})"
+    return problems
+
+
+_failures: dict[str, str] = {}  # target or register step -> why it failed
+_relied_checked = False  # relied_problems() added to _failures (once per process)
 
 
 def _owner(patch: Patch):
@@ -505,24 +1228,36 @@ def alias_backend_name() -> None:
 
 def install() -> None:
     """Install every patch once in this process (idempotent)."""
-    alias_backend_name()
     for patch in PATCHES:
         try:
             _install_one(patch)
-        except (ImportError, AttributeError) as e:
+        except Exception as e:  # noqa: BLE001 -- recorded, refused at startup
             _failures[patch.target] = f"{type(e).__name__}: {e}"
 
 
+def record_failure(what: str, why: str) -> None:
+    """Remember what failed (a step of ``plugin.register``): ROCKETKV engines
+    then refuse to start, naming it (``require``)."""
+    _failures[what] = why
+
+
 def require() -> None:
-    """Raise if any patch could not be installed (a ROCKETKV engine needs all)."""
+    """Raise, naming each, if any patch could not be installed, any step of
+    ``plugin.register`` failed, or any ``RELIED_ON`` entry fails on the
+    installed vLLM (a ROCKETKV engine needs all). The ``RELIED_ON`` check runs
+    once per process, on the first call."""
+    global _relied_checked
+    if not _relied_checked:
+        _failures.update(relied_problems())
+        _relied_checked = True
     if _failures:
         import vllm
 
         lines = "; ".join(f"{target}: {why}" for target, why in _failures.items())
         raise RuntimeError(
-            f"ROCKETKV cannot run on vLLM {vllm.__version__}: it wraps vLLM methods "
-            f"that are not what it was written for ({lines}). This ROCKETKV release "
-            "supports vLLM 0.32."
+            f"ROCKETKV cannot run on vLLM {vllm.__version__}: it relies on vLLM "
+            f"internals that are not what it was written for, or its plugin failed "
+            f"to register ({lines}). This ROCKETKV release supports vLLM 0.32."
         )
 
 

@@ -226,3 +226,91 @@ def test_unsupported_model_kinds_are_refused_at_startup(tmp_path, make_config, r
         _engine_config(model)
     assert "ROCKETKV attention backend does not support" in str(err.value)
     assert reason in str(err.value)
+
+
+# -- register() never stops an engine -------------------------------------------
+
+
+def test_a_failing_register_step_refuses_rocketkv_engines_only_naming_it(monkeypatch, model_path):
+    """vLLM runs register() in every process: a step that raises is recorded,
+    not raised; a ROCKETKV engine then refuses at startup naming it (its
+    config, and its backend selection), a dense engine starts."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from rocketkv_vllm import vllm_patches
+
+    register()
+
+    def broken(cls, vllm_config=None):
+        raise KeyError("vLLM changed its spec registry")
+
+    monkeypatch.setattr(KVCacheSpecRegistry, "_ensure_registered", classmethod(broken))
+    monkeypatch.setattr(vllm_patches, "_failures", {})
+    register()  # does not raise
+    step = "rocketkv_vllm.plugin.register (register ROCKETKV's KV cache spec)"
+    assert vllm_patches._failures == {step: "KeyError: 'vLLM changed its spec registry'"}
+    with pytest.raises(RuntimeError, match="vLLM changed its spec registry") as err:
+        _engine_config(model_path)
+    assert step in str(err.value)
+    with pytest.raises(RuntimeError, match="vLLM changed its spec registry"):
+        current_platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector())
+    # Dense engines: unaffected.
+    from vllm.engine.arg_utils import EngineArgs
+
+    dense = EngineArgs(
+        model=model_path, attention_backend="CPU_ATTN", dtype="float32", max_model_len=4096
+    ).create_engine_config()
+    assert dense.attention_config.backend == AttentionBackendEnum.CPU_ATTN
+    assert current_platform.get_attn_backend_cls(None, _selector()) != BACKEND_PATH
+
+
+def test_a_taken_custom_slot_is_recorded_and_rocketkv_is_no_name(monkeypatch):
+    """Another plugin holds vLLM's CUSTOM backend: register() does not raise,
+    the name ROCKETKV is not added (vLLM refuses it as unknown; the log and
+    require() name why), and the other plugin's CUSTOM engines are not
+    treated as ROCKETKV."""
+    from vllm.v1.attention.backends import registry
+
+    from rocketkv_vllm import vllm_patches
+    from rocketkv_vllm.engine import is_rocketkv
+
+    register()
+    custom = registry.AttentionBackendEnum.CUSTOM
+    monkeypatch.setitem(registry._ATTN_OVERRIDES, custom, "other_plugin.Backend")
+    monkeypatch.delitem(registry.AttentionBackendEnum._member_map_, "ROCKETKV")
+    monkeypatch.setattr(vllm_patches, "_failures", {})
+    register()  # does not raise
+    assert "ROCKETKV" not in registry.AttentionBackendEnum._member_map_
+    [(step, why)] = vllm_patches._failures.items()
+    assert "CUSTOM attention backend" in step and "other_plugin.Backend" in why
+    with pytest.raises(RuntimeError, match="other_plugin.Backend"):
+        vllm_patches.require()
+    assert not is_rocketkv(custom)
+
+
+def test_without_its_startup_check_rocketkv_is_no_name(monkeypatch):
+    """A vLLM whose check_and_update_config ROCKETKV cannot wrap: nothing
+    would refuse a ROCKETKV engine at startup, so the name ROCKETKV is not
+    added (vLLM refuses it as an unknown backend), and the failure is named."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rocketkv_vllm import vllm_patches
+
+    register()
+    platform = type(current_platform)
+    original = vllm_patches._function(platform, "check_and_update_config").__wrapped__
+
+    def check_and_update_config(cls, vllm_config, new_argument=None):
+        return original(cls, vllm_config)
+
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(check_and_update_config))
+    monkeypatch.delitem(AttentionBackendEnum._member_map_, "ROCKETKV")
+    monkeypatch.setattr(vllm_patches, "_failures", {})
+    register()  # does not raise
+    assert "ROCKETKV" not in AttentionBackendEnum._member_map_
+    target = "vllm.platforms.<platform>.check_and_update_config"
+    assert "new_argument" in vllm_patches._failures[target]
+    assert any("add the name ROCKETKV" in step for step in vllm_patches._failures)

@@ -1,6 +1,7 @@
 """Every change ROCKETKV makes to vLLM is in ``vllm_patches.PATCHES``, is
 installed by ``plugin.register``, and matches the installed vLLM."""
 
+import inspect
 import subprocess
 from pathlib import Path
 
@@ -73,3 +74,157 @@ def test_vllm_is_changed_in_this_module_only():
     # vLLM's RequestState instance) are not patches of vLLM's code.
     allowed = ("rocketkv_vllm/metrics.py",)
     assert [h for h in hits if not h.startswith(allowed)] == []
+
+
+# -- RELIED_ON: every other vLLM internal the package relies on ------------------
+
+
+def test_every_relied_on_entry_holds_on_the_installed_vllm():
+    """No false refusal, and the table says what our code does: each
+    override's class subclasses the vLLM class and defines the method with
+    the parameters in the table."""
+    import importlib
+
+    assert vllm_patches.relied_problems() == {}
+    targets = [p.target for p in vllm_patches.PATCHES] + [e.target for e in vllm_patches.RELIED_ON]
+    assert len(set(vllm_patches.RELIED_ON)) == len(vllm_patches.RELIED_ON)
+    assert len({e.target for e in vllm_patches.RELIED_ON}) == len(vllm_patches.RELIED_ON)
+    assert not {e.target for e in vllm_patches.RELIED_ON} & {p.target for p in vllm_patches.PATCHES}
+    assert len(targets) >= 80
+    kinds = {e.kind for e in vllm_patches.RELIED_ON}
+    assert kinds == {"attr", "method", "override", "swap", "replace"}
+    for entry in vllm_patches.RELIED_ON:
+        if entry.kind != "override":
+            continue
+        module, cls = entry.used_by.rsplit(".", 1)
+        ours = getattr(importlib.import_module(module), cls)
+        assert issubclass(ours, vllm_patches._resolve(entry.module, entry.owner)), entry.target
+        assert entry.name in vars(ours), (entry.target, "not overridden by", entry.used_by)
+        params = list(inspect.signature(vllm_patches._callable(ours, entry.name)).parameters)
+        expected = list(entry.params)
+        assert (params == expected) if entry.exact else (params[: len(expected)] == expected), (
+            entry.target,
+            params,
+        )
+
+
+def _rename(monkeypatch, entry) -> None:
+    """What vLLM renaming ``entry``'s name would look like: the name moved to
+    ``<name>_renamed`` on its owner (and bases), in their annotations, and in
+    the ``self.<name>`` assignments of their source."""
+    import re
+
+    new = f"{entry.name}_renamed"
+    owner = vllm_patches._resolve(entry.module, entry.owner)
+    if inspect.ismodule(owner):
+        monkeypatch.setattr(owner, new, getattr(owner, entry.name), raising=False)
+        monkeypatch.delattr(owner, entry.name)
+        return
+    for klass in owner.__mro__:
+        if klass is object:
+            continue
+        if entry.name in vars(klass):
+            monkeypatch.setattr(klass, new, vars(klass)[entry.name], raising=False)
+            monkeypatch.delattr(klass, entry.name)
+        annotations = vars(klass).get("__annotations__", {})
+        if entry.name in annotations:
+            monkeypatch.setitem(annotations, new, annotations[entry.name])
+            monkeypatch.delitem(annotations, entry.name)
+    source = vllm_patches._methods_source
+    pattern = re.compile(rf"\bself\.{re.escape(entry.name)}\b")
+    monkeypatch.setattr(
+        vllm_patches, "_methods_source", lambda klass: pattern.sub(f"self.{new}", source(klass))
+    )
+
+
+def _seed() -> int:
+    import os
+    import random
+
+    return int(os.environ.get("ROCKETKV_RELIED_SEED") or random.SystemRandom().randrange(10**6))
+
+
+@pytest.mark.parametrize(
+    "pick",
+    [
+        "vllm.v1.simple_kv_offload.manager.SimpleCPUOffloadScheduler._pending_cpu_hits",
+        "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager.pop_blocks_for_free",
+        "random",
+    ],
+)
+def test_a_renamed_relied_on_name_refuses_rocketkv_engines_naming_exactly_it(monkeypatch, pick):
+    """One entry renamed in vLLM (a random one: its seed is printed, rerun it
+    with ROCKETKV_RELIED_SEED): the check finds exactly that one, and a
+    ROCKETKV engine's startup check refuses naming it."""
+    import random
+
+    import vllm
+    from vllm.platforms import current_platform
+
+    candidates = [
+        e
+        for e in vllm_patches.RELIED_ON
+        if e.kind != "swap"  # test_a_class_that_no_longer_takes_the_swap_is_refused
+        and e.name != "_member_map_"  # the Enum itself stops working without it
+        and (e.platform != "cpu" or current_platform.is_cpu())
+    ]
+    if pick == "random":
+        seed = _seed()
+        entry = random.Random(seed).choice(candidates)
+        print(f"ROCKETKV_RELIED_SEED={seed}: {entry.target}")
+    else:
+        [entry] = [e for e in candidates if e.target == pick]
+    _rename(monkeypatch, entry)
+    # A method that calls a replaced one takes the replacement with it.
+    expected = {entry.target} | {
+        e.target for e in vllm_patches.RELIED_ON if e.caller == entry.target
+    }
+    problems = vllm_patches.relied_problems()
+    assert set(problems) == expected, problems
+    monkeypatch.setattr(vllm_patches, "_failures", {})
+    monkeypatch.setattr(vllm_patches, "_relied_checked", False)
+    with pytest.raises(RuntimeError) as err:
+        vllm_patches.require()
+    assert f"vLLM {vllm.__version__}" in str(err.value)
+    assert f"({entry.target}: " in str(err.value)
+    assert set(vllm_patches._failures) == expected
+
+
+def test_a_class_that_no_longer_takes_the_swap_is_refused():
+    """The host tier's ``manager.__class__ = RocketKVHostScheduler``: a vLLM
+    class whose instances cannot become a subclass with attributes of its
+    own (``__slots__``) fails the check, naming why."""
+
+    class Slotted:
+        __slots__ = ("x",)
+
+    class Plain:
+        pass
+
+    globals()["Slotted"], globals()["Plain"] = Slotted, Plain
+    try:
+        swap = dict(kind="swap", why="test", used_by="tests")
+        bad = vllm_patches.Relied(__name__, "Slotted", "__class__", **swap)
+        good = vllm_patches.Relied(__name__, "Plain", "__class__", **swap)
+        assert vllm_patches.relied_problem(good) is None
+        assert "layout differs" in vllm_patches.relied_problem(bad)
+    finally:
+        del globals()["Slotted"], globals()["Plain"]
+
+
+def test_a_method_replaced_on_the_instance_must_still_be_called_through_it(monkeypatch):
+    """The host tier replaces the host coordinator's find_longest_cache_hit on
+    the instance: it counts only while vLLM's scheduler calls it there."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    [entry] = [e for e in vllm_patches.RELIED_ON if e.kind == "replace"]
+    assert vllm_patches.relied_problem(entry) is None
+    original = SimpleCPUOffloadScheduler.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return original(self, request, num_computed_tokens)  # no direct call
+
+    monkeypatch.setattr(
+        SimpleCPUOffloadScheduler, "get_num_new_matched_tokens", get_num_new_matched_tokens
+    )
+    assert "no longer calls it" in vllm_patches.relied_problem(entry)
