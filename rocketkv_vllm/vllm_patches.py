@@ -528,7 +528,10 @@ class Relied:
       instance;
     - "replace": the owner's method may be replaced on an instance (its
       instances have a ``__dict__``), has ``params``, and ``caller``'s source
-      calls it through the instance (a text search for ``.<name>(``).
+      calls it through the instance (a text search for ``.<name>(``);
+    - "absent": a name our subclass adds (a method, or state it keeps on
+      vLLM's instance) that the vLLM class does not have (as "attr" finds
+      names): were vLLM to add it, one would silently clobber the other.
     """
 
     module: str
@@ -680,6 +683,29 @@ RELIED_ON: tuple[Relied, ...] = (
     Relied(_KV, _FAM, "_pending_cow_copies", "attr", "queue target copies", _MANAGER),
     Relied(_KV, _FAM, "_record_new_block_ids", "attr", "report copies' blocks", _MANAGER),
     Relied(_KV, _FAM, "_null_block", "attr", "placeholder in cache_full_blocks", _MANAGER),
+    *(
+        Relied(_KV, _FAM, name, "absent", "RocketKVManager's own name", _MANAGER)
+        for name in (
+            "settings",
+            "plans",
+            "prefix_account",
+            "track",
+            "plan_of",
+            "plan_of_request",
+            "capped_hit",
+            "chunk_tokens",
+            "dense_prefix_tokens",
+            "publish_account",
+            "_requests",
+            "_to_preserve",
+            "_hashed_this_step",
+            "_chunk_ends",
+            "_account_path",
+            "_unused_hit",
+            "_private_copies",
+            "_preserve_targets",
+        )
+    ),
     # -- the host tier's scheduler half (host_tier.scheduler) --
     Relied(
         _OFFLOAD,
@@ -736,6 +762,21 @@ RELIED_ON: tuple[Relied, ...] = (
     ),
     _override(_OFFLOAD, _SCHED, "update_connector_output", ("self", "connector_output"), _HOST),
     _override(_OFFLOAD, _SCHED, "_release_transfer_refs", ("self", "transfer"), _HOST),
+    *(
+        Relied(_OFFLOAD, _SCHED, name, "absent", "RocketKVHostScheduler's own name", _HOST)
+        for name in (
+            "rocketkv",
+            "block_bytes",
+            "adopt",
+            "bind_rocketkv",
+            "_target_hashes",
+            "_hit_limit",
+            "_unused_host_hit",
+            "_find_longest_cache_hit",
+            "_find_hit_within_limit",
+            "_queue_compressed_prompt_stores",
+        )
+    ),
     Relied(
         _OFFLOAD,
         _SCHED,
@@ -1130,6 +1171,10 @@ def relied_problem(entry: Relied) -> str | None:
         owner = _resolve(entry.module, entry.owner)
         if entry.kind == "attr":
             return None if _has_attr(owner, entry.name) else "not found"
+        if entry.kind == "absent":
+            if _has_attr(owner, entry.name):
+                return "vLLM's class has it now: ours and vLLM's would clobber each other"
+            return None
         if entry.kind == "swap":
             probe = type("_SwapProbe", (owner,), {})
             obj = object.__new__(owner)

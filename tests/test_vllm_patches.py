@@ -92,7 +92,7 @@ def test_every_relied_on_entry_holds_on_the_installed_vllm():
     assert not {e.target for e in vllm_patches.RELIED_ON} & {p.target for p in vllm_patches.PATCHES}
     assert len(targets) >= 80
     kinds = {e.kind for e in vllm_patches.RELIED_ON}
-    assert kinds == {"attr", "method", "override", "swap", "replace"}
+    assert kinds == {"attr", "method", "override", "swap", "replace", "absent"}
     for entry in vllm_patches.RELIED_ON:
         if entry.kind != "override":
             continue
@@ -106,6 +106,42 @@ def test_every_relied_on_entry_holds_on_the_installed_vllm():
             entry.target,
             params,
         )
+
+
+def test_every_name_our_block_manager_and_host_scheduler_add_or_override_is_listed():
+    """RocketKVManager and RocketKVHostScheduler live on vLLM's instances
+    (the host scheduler by a class swap): each name they define or assign
+    is an "override" of vLLM's or an "absent" entry (vLLM must not have it)."""
+    import re
+
+    from rocketkv_vllm.host_tier.scheduler import RocketKVHostScheduler
+    from rocketkv_vllm.kv_cache import RocketKVManager
+
+    for ours in (RocketKVManager, RocketKVHostScheduler):
+        [base] = ours.__bases__
+        assigned = r"\b(?:self|manager)\.([A-Za-z_]\w*)\s*(?::[^=\n]+)?=(?!=)"
+        names = {n for n in vars(ours) if not n.startswith("__")} | set(
+            re.findall(assigned, vllm_patches._methods_source(ours))
+        )
+        names = {n for n in names if not n.startswith("__")} - {"_abc_impl"}
+        listed = {
+            (e.name, e.kind)
+            for e in vllm_patches.RELIED_ON
+            if e.used_by.endswith(f".{ours.__name__}") and e.owner == base.__name__
+        }
+        for name in names:
+            kind = "override" if vllm_patches._has_attr(base, name) else "absent"
+            assert (name, kind) in listed, f"{ours.__name__}.{name}: add a {kind!r} entry"
+
+
+def _mutate(monkeypatch, entry) -> None:
+    """``entry``'s name renamed in vLLM (``_rename``); for an "absent"
+    entry, the name added to vLLM's class."""
+    if entry.kind == "absent":
+        owner = vllm_patches._resolve(entry.module, entry.owner)
+        monkeypatch.setattr(owner, entry.name, "added by vLLM", raising=False)
+    else:
+        _rename(monkeypatch, entry)
 
 
 def _rename(monkeypatch, entry) -> None:
@@ -174,7 +210,7 @@ def test_a_renamed_relied_on_name_refuses_rocketkv_engines_naming_exactly_it(mon
         print(f"ROCKETKV_RELIED_SEED={seed}: {entry.target}")
     else:
         [entry] = [e for e in candidates if e.target == pick]
-    _rename(monkeypatch, entry)
+    _mutate(monkeypatch, entry)
     # A method that calls a replaced one takes the replacement with it.
     expected = {entry.target} | {
         e.target for e in vllm_patches.RELIED_ON if e.caller == entry.target
