@@ -121,7 +121,6 @@ class PrefixCacheAccount:
 # serialization. The entries are the account's non-zero fields, as running
 # totals, under this prefix; the stat logger takes them out before vLLM's
 # loggers look at the dict.
-ACCOUNT_STATS_FIELD = "num_kv_fetch_reqs_by_stage"
 ACCOUNT_KEY_PREFIX = "rocketkv:"
 ACCOUNT_FIELDS = tuple(f.name for f in fields(PrefixCacheAccount))
 
@@ -157,7 +156,7 @@ def attach_account(stats, kv_cache_manager) -> None:
             if value:
                 entries[ACCOUNT_KEY_PREFIX + name] = value
         if entries:  # a new dict: never the scheduler's own
-            setattr(stats, ACCOUNT_STATS_FIELD, {**getattr(stats, ACCOUNT_STATS_FIELD), **entries})
+            stats.num_kv_fetch_reqs_by_stage = {**stats.num_kv_fetch_reqs_by_stage, **entries}
     except Exception as e:  # noqa: BLE001 - metrics must never stop the scheduler
         _warn_once("could not attach the prefix-cache account to the scheduler stats", repr(e))
 
@@ -168,7 +167,7 @@ def take_account(stats) -> dict[str, int]:
     known field with a non-negative int are dropped, logged once. Never
     raises."""
     try:
-        carried = getattr(stats, ACCOUNT_STATS_FIELD, None)
+        carried = getattr(stats, "num_kv_fetch_reqs_by_stage", None)
         if not isinstance(carried, dict):
             return {}
         keys = [k for k in carried if isinstance(k, str) and k.startswith(ACCOUNT_KEY_PREFIX)]
@@ -392,6 +391,16 @@ class RocketKVManager(FullAttentionManager):
             end = num_tokens
         if targets and request.num_computed_tokens < plan.num_prompt_tokens <= max(end, num_tokens):
             self._to_preserve[rid] = (request, request.num_computed_tokens)
+
+    def dense_prefix_tokens(self, request) -> int:
+        """How many leading tokens of ``request`` have dense K/V in every
+        layer: all of an uncompressed request's; a compressed prompt's full
+        blocks (its tail block and generated tokens are computed through the
+        compressed full-attention layers, so their K/V differ from dense in
+        every layer above, a hybrid model's sliding-window layers too). The
+        other KV cache groups hash no further (``vllm_patches``)."""
+        plan = self.plan_of_request(request)
+        return plan.tail_start if plan.compress else request.num_tokens
 
     def take_pending_cow_copies(self):
         """At the end of scheduling a step: for each request whose prompt

@@ -44,7 +44,9 @@ def tiny_gemma3() -> str:
 
 
 def _groups():
-    """Requests in groups; a group starts when the one before has ended."""
+    """Requests in groups; a group starts when the one before has ended. A
+    prompt may be a function of the run so far (a chat's next turn: the
+    last turn's prompt and answer, then the new message)."""
     rng = random.Random(7)
 
     def ids(n):
@@ -59,7 +61,19 @@ def _groups():
             ("dense-row", ids(900), {"rocketkv_token_budget": 0}),
             ("short", ids(120), {}),
         ],
+        # A three-turn chat. Turn 1 (700 tokens) ends 28 tokens into its
+        # tail block, which its answer fills; turn 3's hit (capped at 736)
+        # reaches past that block, so its sliding-window groups read the
+        # block under turn 1's hash: it must hold dense K/V, which turn 1's
+        # (computed through the compressed layers) does not.
+        [("chat-1", ids(700), {})],
+        [("chat-2", _next_turn("chat-1", ids(60)), {})],
+        [("chat-3", _next_turn("chat-2", ids(120)), {})],
     ]
+
+
+def _next_turn(previous: str, message: list[int]):
+    return lambda run: run.prompts[previous] + run.tokens[previous] + message
 
 
 @dataclass
@@ -89,8 +103,8 @@ def _layer_kv(layer) -> torch.Tensor:
 
 
 def _record_blocks(llm, run: Run, rid: str, prompt: list[int]) -> None:
-    """The K/V, per layer, of every block the prefix cache maps for this
-    prompt in each layer's group."""
+    """The K/V, per layer, of every block the prefix cache maps for these
+    tokens (a prompt and its answer) in each layer's group."""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     from rocketkv_vllm.backend.native import native_for_config
@@ -123,7 +137,9 @@ def _record_blocks(llm, run: Run, rid: str, prompt: list[int]) -> None:
                 run.blocks[(rid, j, name)] = run.blocks[(rid, j, name)].clone()
 
 
-def _run(llm, record_blocks: bool) -> Run:
+def _run(llm, record_blocks: bool, chat_from: Run | None = None) -> Run:
+    """``chat_from``: the run whose answers make the chat's next turns (so
+    every engine gets the same prompts)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -143,6 +159,7 @@ def _run(llm, record_blocks: bool) -> Run:
         name: (type(layer.impl).__name__, layer.impl.scale) for name, layer in _layers(llm).items()
     }
     for group in _groups():
+        group = [(rid, p(chat_from or run) if callable(p) else p, x) for rid, p, x in group]
         prompts = [TokensPrompt(prompt_token_ids=p) for _, p, _ in group]
         params = [
             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, extra_args=x or None)
@@ -158,7 +175,7 @@ def _run(llm, record_blocks: bool) -> Run:
             run.cached[rid] = out.num_cached_tokens or 0
             run.prompts[rid] = prompt
             if record_blocks:
-                _record_blocks(llm, run, rid, prompt)
+                _record_blocks(llm, run, rid, prompt + run.tokens[rid])
     run.free_at_end = pool.get_num_free_blocks()
     return run
 
@@ -193,7 +210,7 @@ def runs(tiny_gemma3):
     ):
         llm = _engine(tiny_gemma3, backend, caching, rocketkv, testing)
         try:
-            result[name] = _run(llm, record_blocks=caching)
+            result[name] = _run(llm, record_blocks=caching, chat_from=result.get("on"))
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
@@ -254,6 +271,25 @@ def test_compressed_outputs_equal_those_with_caching_off_and_nothing_freed(runs)
         # vLLM's own hit would be the whole shared document (672 tokens):
         # the cap is more than a sliding window below it.
         assert hit < 672 - SLIDING_WINDOW
+
+
+def test_a_chat_turn_reads_only_dense_blocks_of_the_turns_before(runs):
+    """Turn 3's hit reaches past turn 1's tail block (filled by turn 1's
+    answer) and equals caching off (the test above); no block holding a
+    compressed request's generated tokens is in any group's cache."""
+    on = runs["on"]
+    assert on.cached["chat-3"] == 736 and len(on.prompts["chat-3"]) - 160 >= 736
+    assert on.tokens["chat-3"] == runs["off"].tokens["chat-3"]
+    for rid in ("chat-1", "chat-2", "chat-3"):
+        n = len(on.prompts[rid])
+        cached = {j for (r, j, _) in on.blocks if r == rid}
+        assert cached and max(cached) < n // BS, (rid, sorted(cached)[-3:])
+    # Turn 1's tail block, full with its answer: in none of ROCKETKV's
+    # groups under turn 1's tokens, and (dense, computed as part of turn 2's
+    # prompt) in the sliding groups under turn 2's.
+    block, sliding = 700 // BS, "model.layers.0.self_attn.attn"
+    assert not any(r == "chat-1" and j == block for (r, j, _) in on.blocks)
+    assert ("chat-2", block, sliding) in on.blocks
 
 
 def test_cached_blocks_of_every_group_hold_dense_kv(runs):
