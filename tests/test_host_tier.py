@@ -356,3 +356,68 @@ def test_rocketkv_host_tier_leaks_nothing(rocketkv_runs):
     run = rocketkv_runs["host"]
     assert run["device_free_at_end"] == run["device_blocks"]
     assert run["host_in_use"] == 0
+
+
+# -- the budget-1024 preset at prompt lengths whose targets end at the end ----
+
+BOUNDARY_LENGTHS = (832, 960)  # 832: the last target is the prompt's last block
+
+
+def _boundary_run(model_path, host: bool) -> dict:
+    """Each prompt asked twice under the shipped ``budget-1024`` preset;
+    with the host tier the device's prefix cache is reset between, so the
+    second ask takes what the host holds into stale device blocks (given-back
+    blocks poisoned). ``host=False``: prefix caching off."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_eval.engines import scheduler
+    from rocketkv_vllm.kv_cache import rocketkv_manager
+
+    kw = dict(kv_offloading_size=1.0) if host else dict(enable_prefix_caching=False)
+    llm = make_llm(
+        model_path,
+        "ROCKETKV",
+        rocketkv={"preset": "budget-1024"},
+        testing=POISON,
+        max_model_len=1024,
+        block_size=BLOCK,
+        max_num_batched_tokens=1024,
+        **kw,
+    )
+    try:
+        manager = rocketkv_manager(scheduler(llm).kv_cache_manager)
+        params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+        rng = random.Random(23)
+        run = {"plans": {}, "outs": {}}
+        for n in BOUNDARY_LENGTHS:
+            prompt = TokensPrompt(prompt_token_ids=[rng.randrange(100, 40000) for _ in range(n)])
+            run["plans"][n] = manager.plans(n)
+            for ask in ("first", "again"):
+                (out,) = llm.generate([prompt], params, use_tqdm=False)
+                run["outs"][n, ask] = out
+                if host:
+                    assert llm.reset_prefix_cache()
+        return run
+    finally:
+        shutdown(llm)
+
+
+@pytest.mark.engine
+def test_budget_preset_at_the_kept_token_boundary_equals_caching_off(model_path):
+    """At 832 tokens budget-1024's compaction targets end at the prompt's
+    end, so the last one is written in the Stage 1 step: the host once stored
+    the compacted targets under their dense hashes there, and the second ask
+    computed on them (logprobs off by 2.65). Now every answer, the second
+    one with whatever the host holds loaded, equals caching off. (Caching on
+    ends the first chunk at the targets' end, caching off prefills in one:
+    logprobs differ by up to 6e-4 from the summation order alone.)"""
+    host, off = _boundary_run(model_path, True), _boundary_run(model_path, False)
+    plan = host["plans"][832]
+    assert plan.compress and plan.compact_blocks(BLOCK) * BLOCK == 832  # the boundary case
+    assert host["outs"][960, "again"].num_cached_tokens > 0  # served from the host
+    for key, out in host["outs"].items():
+        want, got = off["outs"][key].outputs[0], out.outputs[0]
+        assert got.token_ids == want.token_ids, key
+        for w, g, tok in zip(want.logprobs, got.logprobs, got.token_ids):
+            assert abs(w[tok].logprob - g[tok].logprob) < 5e-3, key
