@@ -70,11 +70,16 @@ class Patch:
 def _check_and_update_config(original):
     def check_and_update_config(cls, vllm_config) -> None:
         original(cls, vllm_config)
-        from rocketkv_vllm.engine import configure_engine, is_rocketkv_engine
+        from rocketkv_vllm.engine import (
+            configure_engine,
+            is_rocketkv_engine,
+            warn_ignored_settings,
+        )
 
         if is_rocketkv_engine(vllm_config):
             require()
             configure_engine(vllm_config)
+        warn_ignored_settings(vllm_config)  # rocketkv settings on another backend
 
     return check_and_update_config
 
@@ -600,6 +605,32 @@ RELIED_ON: tuple[Relied, ...] = (
         "attr",
         "register the host-tier connector once per process",
         "rocketkv_vllm.host_tier.register_connector",
+    ),
+    # -- the account in vLLM's scheduler stats (kv_cache, metrics) --
+    Relied(
+        "vllm.v1.metrics.stats",
+        "SchedulerStats",
+        "num_kv_fetch_reqs_by_stage",
+        "attr",
+        "the scheduler's prefix-cache account travels in this dict (rocketkv:* keys)",
+        "rocketkv_vllm.kv_cache.attach_account",
+    ),
+    # -- hybrid models: the other groups hash the dense prefix only --
+    Relied(
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator",
+        "single_type_managers",
+        "attr",
+        "find ROCKETKV's manager among a hybrid model's groups",
+        "rocketkv_vllm.vllm_patches._coordinator_cache_blocks",
+    ),
+    Relied(
+        "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager",
+        "enable_caching",
+        "attr",
+        "vLLM's cache_blocks loop skips a group whose flag is off (run once per side)",
+        "rocketkv_vllm.vllm_patches._coordinator_cache_blocks",
     ),
     # -- ROCKETKV's block manager (kv_cache) --
     _override(_KV, _FAM, "__init__", ("self", "kv_cache_spec"), _MANAGER, exact=False),

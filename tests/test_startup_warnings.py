@@ -80,6 +80,13 @@ def test_rocketkv_settings_on_another_backend_are_named_as_ignored(warnings):
     assert "rocketKV: ['topk']" in near_miss
 
 
+def test_a_dense_engine_names_the_rocketkv_settings_it_ignores(model_path, warnings):
+    """Through vLLM's startup (the check_and_update_config wrapper)."""
+    _config(model_path, "CPU_ATTN", additional_config={"rocketkv": {"token_budget": 256}})
+    (said,) = [w for w in warnings if "ignored" in w]
+    assert "token_budget" in said and "CPU_ATTN, not ROCKETKV" in said
+
+
 def _kv_cache_config(num_blocks, page_bytes):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
