@@ -132,6 +132,8 @@ def test_every_name_our_block_manager_and_host_scheduler_add_or_override_is_list
         for name in names:
             kind = "override" if vllm_patches._has_attr(base, name) else "absent"
             assert (name, kind) in listed, f"{ours.__name__}.{name}: add a {kind!r} entry"
+        stale = {name for name, kind in listed if kind == "absent"} - names
+        assert stale == set(), f"{ours.__name__} no longer has {sorted(stale)}"
 
 
 def _mutate(monkeypatch, entry) -> None:
