@@ -1,0 +1,293 @@
+"""Fault campaign for the host tier and the scheduler (issue 36).
+
+1. An abort storm with preemptions on a ROCKETKV engine with a host tier,
+   in process: requests of compressed documents (a device pool for about
+   two of them, a host tier for a few) are added in waves; at random steps
+   some are aborted while waiting, prefilling or decoding. Every request
+   either completes with all its tokens or was aborted by us (nothing lost,
+   nothing errored), preemptions happen, and the device and host pools end
+   at their starting free counts.
+2. Servers (``--servers``): two ROCKETKV ``vllm serve`` processes with host
+   tiers on one machine at once; the first is killed with SIGKILL (its whole
+   process group) while requests are in flight and restarted on the same
+   port. Requests in flight on the killed server get an error, every other
+   request completes, and both servers' /metrics carry the rocketkv:*
+   counters (the scheduler's account travels in vLLM's own stats: no file
+   or folder is shared between servers or users).
+
+    .venv/bin/python scripts/fault_campaign.py --servers --json results/fault-campaign-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+def abort_storm(num_requests: int, seed: int) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_eval.engines import scheduler
+    from rocketkv_eval.model import prepare_default_model
+
+    # SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes a token.
+    bytes_per_token = 30 * 3 * 64 * 2 * 4
+    llm = LLM(
+        model=prepare_default_model(),
+        attention_backend="ROCKETKV",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2100,
+        block_size=32,
+        kv_cache_memory_bytes=bytes_per_token * 2800,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        kv_offloading_size=0.1,
+        additional_config={"rocketkv": {"prompt_budget": 256}},
+    )
+    engine = llm.llm_engine
+    sched = scheduler(llm)
+    pool = sched.kv_cache_manager.block_pool
+    host_pool = sched.connector.scheduler_manager.cpu_block_pool
+    free_at_start = pool.get_num_free_blocks()
+    rng = random.Random(seed)
+    documents = [[rng.randrange(100, 40000) for _ in range(1800)] for _ in range(6)]
+
+    live: dict[str, int] = {}  # request id -> max_tokens
+    done: dict[str, int] = {}  # request id -> tokens produced
+    aborted: set[str] = set()
+    preempted: dict[str, int] = {}  # internal request id -> its preemptions so far
+    errors: list[str] = []
+    added = 0
+    steps = 0
+    started = time.perf_counter()
+    while added < num_requests or live:
+        while added < num_requests and len(live) < 12 and rng.random() < 0.5:
+            doc = documents[rng.randrange(len(documents))]
+            # Shared documents with other tails: prefix hits on the device and the host.
+            prompt = doc[: rng.randrange(400, 1000)] + [rng.randrange(100, 40000)] * 40
+            max_tokens = rng.randrange(100, 400)
+            rid = f"req-{added}"
+            engine.add_request(
+                rid,
+                TokensPrompt(prompt_token_ids=prompt),
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            )
+            live[rid] = max_tokens
+            added += 1
+        # The storm: a third of the requests aborted, at any stage.
+        if live and len(aborted) < num_requests // 3 and rng.random() < 0.04:
+            victim = rng.choice(sorted(live))
+            engine.abort_request([victim])
+            aborted.add(victim)
+            del live[victim]
+        for request in sched.requests.values():
+            preempted[request.request_id] = request.num_preemptions
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                produced = len(out.outputs[0].token_ids)
+                if produced != live[out.request_id]:
+                    errors.append(f"{out.request_id}: {produced} of {live[out.request_id]} tokens")
+                done[out.request_id] = produced
+                del live[out.request_id]
+        steps += 1
+        if steps > 20000:
+            errors.append("did not finish")
+            break
+    free_at_end = pool.get_num_free_blocks()
+    host_in_use = sum(b.ref_cnt for b in host_pool.blocks)
+    result = {
+        "requests": num_requests,
+        "completed": len(done),
+        "aborted": len(aborted),
+        "lost": num_requests - len(done) - len(aborted),
+        "errors": errors,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - started, 1),
+        "device_free_at_start": free_at_start,
+        "device_free_at_end": free_at_end,
+        "host_blocks_in_use_at_end": host_in_use,
+        "preemptions": sum(preempted.values()),
+        "host_account": {
+            k: v
+            for k, v in vars(sched.connector.scheduler_manager.rocketkv.prefix_account).items()
+            if k.startswith("host_")
+        },
+    }
+    result["ok"] = (
+        not errors
+        and result["lost"] == 0
+        and result["preemptions"] > 0
+        and free_at_end == free_at_start
+        and host_in_use == 0
+    )
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, port: int, log) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--attention-backend", "ROCKETKV", "--max-model-len", "2100",
+        "--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 28),
+        "--kv-offloading-size", "0.1", "--max-num-seqs", "4",
+        "--additional-config", json.dumps({"rocketkv": {"prompt_budget": 256}}),
+    ]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, timeout: float = 600.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"server on port {port} not ready in {timeout} s")
+
+
+def _complete(port: int, model: str, tokens: list[int], max_tokens: int) -> str:
+    """'ok' with all tokens, else the error (what a client sees)."""
+    body = json.dumps(
+        {"model": model, "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as r:
+            out = json.loads(r.read())
+        n = out["usage"]["completion_tokens"]
+        return "ok" if n == max_tokens else f"{n} of {max_tokens} tokens"
+    except (OSError, urllib.error.HTTPError, ValueError) as e:
+        return f"error: {type(e).__name__}"
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+    )
+
+
+def servers(seed: int) -> dict:
+    from rocketkv_eval.model import prepare_default_model
+
+    model = prepare_default_model()
+    rng = random.Random(seed)
+    doc = [rng.randrange(100, 40000) for _ in range(1500)]
+    ports = {"a": _free_port(), "b": _free_port()}
+    logs = {
+        k: tempfile.NamedTemporaryFile("w+", prefix=f"fault-{k}-", suffix=".log") for k in ports
+    }
+    procs = {k: _start_server(model, ports[k], logs[k]) for k in ports}
+    result: dict = {"ports": ports}
+    try:
+        started = time.perf_counter()
+        for k in ports:
+            _wait_ready(procs[k], ports[k])
+        result["start_seconds"] = round(time.perf_counter() - started, 1)
+        # Requests in flight on both; A is killed with SIGKILL meanwhile.
+        answers: dict[str, str] = {}
+
+        def ask(name: str, port: int, tail: int) -> None:
+            answers[name] = _complete(port, model, doc + [tail] * 20, 200)
+
+        threads = [
+            threading.Thread(target=ask, args=(f"{k}-{i}", ports[k], 30000 + i))
+            for k in ports
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(8)
+        os.killpg(procs["a"].pid, signal.SIGKILL)
+        procs["a"].wait()
+        for t in threads:
+            t.join()
+        result["in_flight"] = dict(sorted(answers.items()))
+        # A again, on the same port.
+        started = time.perf_counter()
+        procs["a"] = _start_server(model, ports["a"], logs["a"])
+        _wait_ready(procs["a"], ports["a"])
+        result["restart_seconds"] = round(time.perf_counter() - started, 1)
+        after = {
+            f"a-again-{i}": _complete(ports["a"], model, doc + [31000 + i] * 20, 16)
+            for i in range(2)
+        }
+        after |= {
+            f"b-again-{i}": _complete(ports["b"], model, doc + [32000 + i] * 20, 16)
+            for i in range(2)
+        }
+        result["after_restart"] = after
+        result["prompts_compressed"] = {
+            k: _metric(ports[k], "rocketkv:prompts_compressed_total") for k in ports
+        }
+        result["host_blocks_stored"] = {
+            k: _metric(ports[k], "rocketkv:host_blocks_stored_total") for k in ports
+        }
+        result["ok"] = (
+            all(v == "ok" for k, v in answers.items() if k.startswith("b-"))
+            and all(v == "ok" for v in after.values())
+            and all(v > 0 for v in result["prompts_compressed"].values())
+            and all(v > 0 for v in result["host_blocks_stored"].values())
+        )
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--servers", action="store_true", help="also the server phase")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    result = {"abort_storm": abort_storm(args.requests, args.seed)}
+    if args.servers:
+        result["servers"] = servers(args.seed)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    raise SystemExit(0 if all(part["ok"] for part in result.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
