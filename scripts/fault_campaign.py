@@ -8,14 +8,17 @@
    nothing errored), preemptions happen, and the device and host pools end
    at their starting free counts.
 2. Servers (``--servers``): two ROCKETKV ``vllm serve`` processes with host
-   tiers on one machine at once; the first is killed with SIGKILL (its whole
+   tiers on one machine at once, the second run by another local user
+   (``--second-user UID``: setpriv; this Python, the venv and the model must
+   be readable by that user); the first is killed with SIGKILL (its whole
    process group) while requests are in flight and restarted on the same
    port. Requests in flight on the killed server get an error, every other
    request completes, and both servers' /metrics carry the rocketkv:*
    counters (the scheduler's account travels in vLLM's own stats: no file
    or folder is shared between servers or users).
 
-    .venv/bin/python scripts/fault_campaign.py --servers --json results/fault-campaign-cpu.json
+    .venv/bin/python scripts/fault_campaign.py --servers --second-user 65534 \
+        --json results/fault-campaign-cpu.json
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -145,17 +149,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, port: int, log) -> subprocess.Popen:
-    cmd = [
+def _as_user(uid: int, model: str) -> tuple[list[str], dict, str]:
+    """The command prefix, environment and model path of a process run by
+    local user ``uid``, with a home of its own holding copies of the model
+    and of our built C++ kernel."""
+    home = tempfile.mkdtemp(prefix=f"rocketkv-user{uid}-")
+    built = os.path.expanduser("~/.cache/torch_extensions")
+    if os.path.isdir(built):
+        shutil.copytree(built, os.path.join(home, ".cache", "torch_extensions"))
+    model = shutil.copytree(model, os.path.join(home, "model"))
+    for root, dirs, files in os.walk(home):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.chown(name, uid, uid)
+    prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return prefix, {"HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache")}, model
+
+
+SERVED_NAME = "smollm2"
+
+
+def _start_server(model: str, port: int, log, user: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    prefix = []
+    if user is not None:
+        prefix, user_env, model = _as_user(user, model)
+        env |= user_env
+    cmd = prefix + [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--model", model, "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
         "--attention-backend", "ROCKETKV", "--max-model-len", "2100",
         "--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 28),
         "--kv-offloading-size", "0.1", "--max-num-seqs", "4",
         "--additional-config", json.dumps({"rocketkv": {"prompt_budget": 256}}),
     ]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     return subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
 
 
@@ -172,10 +200,10 @@ def _wait_ready(proc: subprocess.Popen, port: int, timeout: float = 600.0) -> No
     raise RuntimeError(f"server on port {port} not ready in {timeout} s")
 
 
-def _complete(port: int, model: str, tokens: list[int], max_tokens: int) -> str:
+def _complete(port: int, tokens: list[int], max_tokens: int) -> str:
     """'ok' with all tokens, else the error (what a client sees)."""
     body = json.dumps(
-        {"model": model, "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True}
+        {"model": SERVED_NAME, "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True}
     ).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
@@ -199,7 +227,7 @@ def _metric(port: int, name: str) -> float:
     )
 
 
-def servers(seed: int) -> dict:
+def servers(seed: int, second_user: int | None) -> dict:
     from rocketkv_eval.model import prepare_default_model
 
     model = prepare_default_model()
@@ -209,8 +237,12 @@ def servers(seed: int) -> dict:
     logs = {
         k: tempfile.NamedTemporaryFile("w+", prefix=f"fault-{k}-", suffix=".log") for k in ports
     }
-    procs = {k: _start_server(model, ports[k], logs[k]) for k in ports}
-    result: dict = {"ports": ports}
+    users = {"a": None, "b": second_user}
+    procs = {k: _start_server(model, ports[k], logs[k], users[k]) for k in ports}
+    result: dict = {
+        "ports": ports,
+        "uids": {k: os.getuid() if u is None else u for k, u in users.items()},
+    }
     try:
         started = time.perf_counter()
         for k in ports:
@@ -220,7 +252,7 @@ def servers(seed: int) -> dict:
         answers: dict[str, str] = {}
 
         def ask(name: str, port: int, tail: int) -> None:
-            answers[name] = _complete(port, model, doc + [tail] * 20, 200)
+            answers[name] = _complete(port, doc + [tail] * 20, 200)
 
         threads = [
             threading.Thread(target=ask, args=(f"{k}-{i}", ports[k], 30000 + i))
@@ -241,12 +273,10 @@ def servers(seed: int) -> dict:
         _wait_ready(procs["a"], ports["a"])
         result["restart_seconds"] = round(time.perf_counter() - started, 1)
         after = {
-            f"a-again-{i}": _complete(ports["a"], model, doc + [31000 + i] * 20, 16)
-            for i in range(2)
+            f"a-again-{i}": _complete(ports["a"], doc + [31000 + i] * 20, 16) for i in range(2)
         }
         after |= {
-            f"b-again-{i}": _complete(ports["b"], model, doc + [32000 + i] * 20, 16)
-            for i in range(2)
+            f"b-again-{i}": _complete(ports["b"], doc + [32000 + i] * 20, 16) for i in range(2)
         }
         result["after_restart"] = after
         result["prompts_compressed"] = {
@@ -277,11 +307,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--servers", action="store_true", help="also the server phase")
+    parser.add_argument("--second-user", type=int, default=None, help="uid of server B")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     result = {"abort_storm": abort_storm(args.requests, args.seed)}
     if args.servers:
-        result["servers"] = servers(args.seed)
+        result["servers"] = servers(args.seed, args.second_user)
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
