@@ -556,35 +556,6 @@ def select_pages(
     )
     return sel
 
-
-def hsa_select(
-    query,
-    kt_cache,
-    block_table,
-    num_compact,
-    tail_start,
-    seq_lens,
-    topr,
-    topk,
-    page_size,
-    max_pages,
-    max_select,
-    force_current_page=False,
-    impl="auto",
-):
-    """Scoring then selection: [B, Hkv, n_sel] page indices of each row's view."""
-    probs = hsa_page_probs(
-        query,
-        kt_cache,
-        block_table,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topr,
-        page_size,
-        max_pages,
-        force_current_page,
-    )
     return select_pages(
         probs,
         max_select,

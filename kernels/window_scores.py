@@ -355,20 +355,4 @@ def window_scores(
     return out
 
 
-def pooled_window_scores(
-    q_win: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_row: torch.Tensor,
-    num_prompt_tokens: int,
-    scale: float,
-    kernel_size: int,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """window_scores followed by the stride-1 same-length 1-D max-pool."""
-    scores = window_scores(q_win, k_cache, block_row, num_prompt_tokens, scale, sinks=sinks)
-    return torch.nn.functional.max_pool1d(
-        scores[:, None, :], kernel_size, stride=1, padding=kernel_size // 2
-    )[:, 0, :]
-
-
-__all__ = ["window_scores", "pooled_window_scores"]
+__all__ = ["window_scores"]
