@@ -575,6 +575,12 @@ def _override(module, owner, name, params, used_by, why="", **kw) -> Relied:
     return Relied(module, owner, name, "override", why, used_by, tuple(params), **kw)
 
 
+def _absent(module, owner, used_by, names) -> tuple[Relied, ...]:
+    """The names our subclass ``used_by`` adds on vLLM's ``owner``."""
+    why = f"{used_by.rsplit('.', 1)[1]}'s own name"
+    return tuple(Relied(module, owner, name, "absent", why, used_by) for name in names)
+
+
 _FAM = "FullAttentionManager"
 _SCHED = "SimpleCPUOffloadScheduler"
 
@@ -714,9 +720,11 @@ RELIED_ON: tuple[Relied, ...] = (
     Relied(_KV, _FAM, "_pending_cow_copies", "attr", "queue target copies", _MANAGER),
     Relied(_KV, _FAM, "_record_new_block_ids", "attr", "report copies' blocks", _MANAGER),
     Relied(_KV, _FAM, "_null_block", "attr", "placeholder in cache_full_blocks", _MANAGER),
-    *(
-        Relied(_KV, _FAM, name, "absent", "RocketKVManager's own name", _MANAGER)
-        for name in (
+    *_absent(
+        _KV,
+        _FAM,
+        _MANAGER,
+        (
             "settings",
             "plans",
             "prefix_account",
@@ -733,7 +741,7 @@ RELIED_ON: tuple[Relied, ...] = (
             "_unused_hit",
             "_private_copies",
             "_preserve_targets",
-        )
+        ),
     ),
     # -- the host tier's scheduler half (host_tier.scheduler) --
     Relied(
@@ -791,9 +799,11 @@ RELIED_ON: tuple[Relied, ...] = (
     ),
     _override(_OFFLOAD, _SCHED, "update_connector_output", ("self", "connector_output"), _HOST),
     _override(_OFFLOAD, _SCHED, "_release_transfer_refs", ("self", "transfer"), _HOST),
-    *(
-        Relied(_OFFLOAD, _SCHED, name, "absent", "RocketKVHostScheduler's own name", _HOST)
-        for name in (
+    *_absent(
+        _OFFLOAD,
+        _SCHED,
+        _HOST,
+        (
             "rocketkv",
             "block_bytes",
             "adopt",
@@ -804,7 +814,7 @@ RELIED_ON: tuple[Relied, ...] = (
             "_find_longest_cache_hit",
             "_find_hit_within_limit",
             "_queue_compressed_prompt_stores",
-        )
+        ),
     ),
     Relied(
         _OFFLOAD,
