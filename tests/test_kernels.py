@@ -424,7 +424,11 @@ def _decode_batch(hkv, d, bs, ps, dtype, specs, seed, poison=True, layout="token
 def _ref_probs(q, kt_min, kt_max, topr, tokens):
     """Group-averaged SparQ page probabilities [Hkv, P] (the math of
     ``algorithm.hsa_page_probs``, with the kernel's channel tie-breaking):
-    each page's softmax term weighted by its token count ``tokens`` [P]."""
+    each page's softmax term weighted by its token count ``tokens`` [P].
+    Computed on the CPU in fp32 whatever device the inputs are on: the
+    oracle must not depend on the device (on CUDA it once multiplied a CUDA
+    tensor by a CPU one and raised before anything was compared)."""
+    q, kt_min, kt_max, tokens = (t.cpu() for t in (q, kt_min, kt_max, tokens))
     hq, d = q.shape
     num_pages, hkv, _ = kt_min.shape
     g = hq // hkv
@@ -476,7 +480,7 @@ def _view_kt(c, row, nc, ts, seq):
 def _page_tokens(starts, nc, ts, seq, ps):
     """Tokens of each view page inside the view (its softmax weight)."""
     end = torch.where(starts < ts, nc, seq)
-    return (end - starts).clamp(0, ps).cpu()
+    return (end - starts).clamp(0, ps)
 
 
 @parametrize(
@@ -527,18 +531,20 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
     probs = probs.cpu()
     for b, (n_c, t_s, s_l) in enumerate(specs):
         if s_l <= 0:
-            assert bool((probs[b] == 7.0).all())
+            _untouched(probs[b], 7.0, f"padding row {b}")
             continue
         kmin, kmax, starts = _view_kt(c, rows[b], n_c, t_s, s_l)
         num_pages = starts.numel()
         ref = _ref_probs(q[b], kmin, kmax, topr[b], _page_tokens(starts, n_c, t_s, s_l, ps)).cpu()
         got = probs[b, :, :num_pages].clone()
-        assert bool((probs[b, :, num_pages:] == 7.0).all())
+        _untouched(probs[b, :, num_pages:], 7.0, f"row {b}: entries past its {num_pages} pages")
         cur = num_pages - 1  # the newest token's page is the view's last
         if force:
-            assert bool((got[:, cur] == 2.0).all())
+            assert bool((got[:, cur] == 2.0).all()), f"row {b}: forced page {cur} = {got[:, cur]}"
             got[:, cur] = ref[:, cur]
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(
+            got, ref, atol=1e-6, rtol=1e-4, msg=lambda m, b=b: f"row {b} page probabilities: {m}"
+        )
         # the forced current page comes on top of the top-k pages
         n_use = min(max(topk[b] // ps, 1) + int(force), num_pages)
         assert sel.shape[-1] >= n_use
@@ -546,22 +552,39 @@ def test_hsa_page_probs_and_selection(hkv, g, d, bs, ps, dtype, force, impl, lay
             _check_selection(sel[b, h, :n_use], ref[h], num_pages, cur if force else None)
 
 
+def _untouched(x, sentinel, what):
+    """x still holds the sentinel everywhere (nothing was written there)."""
+    bad = (x != sentinel).nonzero()
+    assert bad.numel() == 0, (
+        f"{what}: {bad.shape[0]} entries written, first at {bad[0].tolist()} = "
+        f"{x[tuple(bad[0])].item()}"
+    )
+
+
 def _check_selection(chosen, ref_probs, num_pages, forced=None, tol=1e-6):
     """Distinct valid pages holding the highest reference probabilities
     (up to tol: near-ties may go either way), the forced page included."""
+    chosen, ref_probs = chosen.cpu(), ref_probs.cpu()
     n_use = chosen.numel()
-    assert chosen.unique().numel() == n_use
-    assert int(chosen.min()) >= 0 and int(chosen.max()) < num_pages
+    assert chosen.unique().numel() == n_use, f"repeated pages in {chosen.tolist()}"
+    assert int(chosen.min()) >= 0 and int(chosen.max()) < num_pages, (
+        f"pages {chosen.tolist()} outside [0, {num_pages})"
+    )
     mask = torch.zeros(num_pages, dtype=torch.bool)
     mask[chosen.long()] = True
     if forced is not None:
-        assert bool(mask[forced])
+        assert bool(mask[forced]), f"forced page {forced} not in {chosen.tolist()}"
         mask[forced] = False
     rest = ~mask
     if forced is not None:
         rest[forced] = False
     if mask.any() and rest.any():
-        assert float(ref_probs[mask].min()) >= float(ref_probs[rest].max()) - tol
+        low, high = ref_probs[mask].min(), ref_probs[rest].max()
+        assert float(low) >= float(high) - tol, (
+            f"chose page {int(torch.where(mask, ref_probs, 2.0).argmin())} (p {float(low):.9g}) "
+            f"over page {int(torch.where(rest, ref_probs, -1.0).argmax())} (p {float(high):.9g}); "
+            f"chosen {chosen.tolist()}"
+        )
 
 
 @parametrize("impl", ["triton", "torch"])
