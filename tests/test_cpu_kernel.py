@@ -6,8 +6,8 @@ per-request oracle itself (``paged.hsa_decode``)."""
 
 import pytest
 import torch
+from reference import paged
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
 from rocketkv_vllm.ops import cpu as cpu_ops
 from rocketkv_vllm.ops import pytorch as torch_ops

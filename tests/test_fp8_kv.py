@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import cpu_attn_decode
+from reference import paged
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.backend.stages import TorchStage1
 from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv

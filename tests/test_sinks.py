@@ -28,7 +28,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from rocketkv_vllm import paged  # noqa: E402
+from reference import paged  # noqa: E402
+
 from rocketkv_vllm.algorithm import (  # noqa: E402
     snapkv_keep_positions,
     sparse_attention,

@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from reference import paged  # noqa: E402
 
-from rocketkv_vllm import paged  # noqa: E402
 from rocketkv_vllm.backend.stages import TorchStage1, TritonStage1  # noqa: E402
 from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402

@@ -1,7 +1,7 @@
 """RocketKV's steps in PyTorch on the paged cache: Stage 1's three steps
 for one prompt and Stage 2 for a whole batch of decode tokens.
 
-Stage 2 (``hsa_decode``) is the same math as ``paged.hsa_decode`` (its
+Stage 2 (``hsa_decode``) is the same math as ``tests/reference/paged.hsa_decode`` (its
 oracle), for every compressed decode row of a step at once: no per-request
 Python loop, no host sync, a fixed number of tensor ops per layer. This is
 the path where Triton has no backend and the C++ kernel is not built (vLLM's

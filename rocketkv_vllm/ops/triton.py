@@ -1,7 +1,7 @@
 """RocketKV's steps with the Triton kernels (``rocketkv_vllm.kernels``).
 
 Same layout and semantics as the PyTorch steps (``ops.pytorch``; oracle
-``paged``), free of host synchronisation in decode. The KV cache is passed
+``tests/reference/paged``), free of host synchronisation in decode. The KV cache is passed
 as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (all four
 strides arbitrary, so K may be stored transposed per head block as in
 CPU_ATTN; ``layout.split_kv`` makes them from a vLLM cache), the KT cache as

@@ -1,5 +1,6 @@
 """RocketKV per request on vLLM's paged KV cache, in plain PyTorch: the
-reference and test oracle of every implementation (``ops``, ``kernels``).
+reference and test oracle of every implementation (``ops``, ``kernels``);
+lives under ``tests/``, out of the wheel.
 
 Stage 1 (``snapkv_compress``) and Stage 2 (``hsa_decode``) for one request,
 written for clarity with host syncs and per-request loops; ``hsa_decode_rows``
