@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from typing import Any
 
 import yaml
 
-from rocketkv_vllm.budget import split_token_budget
+from rocketkv_vllm.budget import kernel_budget, prompt_budget_floor
+from rocketkv_vllm.budget import pow2_at_least as pow2_at_least  # for backend/
 
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -331,40 +331,25 @@ class RocketKVSettings(RocketKVConfig):
 
     @property
     def min_prompt_budget(self) -> int:
-        # The window and the partly filled tail block always stay, so the
-        # budget must cover both for the eviction to be well defined.
-        return self.window_size + self.block_size
+        return prompt_budget_floor(self.window_size, self.block_size)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def pow2_at_least(x: float) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
 
 
 def resolve_settings(
     cfg: RocketKVConfig, block_size: int, head_dim: int, max_model_len: int
 ) -> RocketKVSettings:
     """Bind the user config to the engine; raise on combinations out of range."""
-    if cfg.page_size is not None:
-        page_size = cfg.page_size
-    elif cfg.token_budget is not None:
-        # KT pages are laid out inside the KV blocks, so the page size is one
-        # per engine: the SPEC split for the longest prompt the engine takes,
-        # rounded up to a power of two (at most one block).
-        n = max(1, max_model_len - cfg.max_new_tokens)
-        page_size = min(
-            block_size,
-            pow2_at_least(
-                split_token_budget(cfg.token_budget, n, cfg.max_new_tokens, head_dim).page_size
-            ),
-        )
-    else:
-        page_size = min(4, block_size)
+    topr = head_dim if cfg.topr is None else cfg.topr
+    # One page size per engine (KT pages sit inside the KV blocks): the
+    # budget split's for the longest prompt the engine takes.
+    longest = max(1, max_model_len - cfg.max_new_tokens)
+    page_size = kernel_budget(
+        replace(cfg, topr=topr), longest, head_dim=head_dim, block_size=block_size
+    ).page_size
     if block_size % page_size:
         _fail("page_size", page_size, f"a power of two that divides block_size={block_size}")
-    topr = head_dim if cfg.topr is None else cfg.topr
     if not 1 <= topr <= head_dim:
         _fail("topr", topr, f"an integer in [1, {head_dim}] (the head dim)")
     if cfg.token_budget is None and cfg.topk % page_size:

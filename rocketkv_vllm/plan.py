@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
-
-from rocketkv_vllm.budget import split_token_budget
+from rocketkv_vllm.budget import kernel_budget, pages_selected
 from rocketkv_vllm.config import RocketKVSettings
 
 
@@ -25,14 +23,6 @@ def view_pages(num_compact, tail_start, seq_len, page_size: int):
     """Pages of a request's view (compacted tokens, then the tail from
     ``tail_start``), each region starting a fresh page: ints or arrays."""
     return cdiv(num_compact, page_size) + cdiv(seq_len - tail_start, page_size)
-
-
-def pages_selected(topk, page_size: int):
-    """Pages Stage 2 selects per step for a top-k of ``topk`` tokens (a
-    forced current page comes on top): ints or arrays."""
-    if isinstance(topk, np.ndarray):
-        return np.maximum(topk // page_size, 1)
-    return max(int(topk) // page_size, 1)
 
 
 def max_view_pages(max_model_len: int, page_size: int) -> int:
@@ -91,28 +81,16 @@ def plan_request(
 ) -> RequestPlan:
     """The plan for a prompt of this length; ``token_budget`` is the
     request's own (``requests``): None keeps the engine's settings, 0 serves
-    the request uncompressed, else the SPEC split of that budget at the
-    engine's page size."""
+    the request uncompressed, else the split of that budget at the engine's
+    page size. The numbers are ``budget.kernel_budget``'s."""
     n = num_prompt_tokens
     tail_start = (n // settings.block_size) * settings.block_size
     if token_budget == 0:
         return RequestPlan(n, False, n, settings.topk, settings.topr, 0, tail_start)
     if token_budget is not None:
         settings = replace(settings, token_budget=token_budget)
-    if settings.token_budget is not None:
-        split = split_token_budget(
-            settings.token_budget, n, settings.max_new_tokens, settings.head_dim
-        )
-        prompt_budget = max(split.prompt_budget, settings.min_prompt_budget)
-        topk = pages_selected(split.topk, settings.page_size) * settings.page_size
-        # Channel count for the page size actually used, rounded to 16 lanes.
-        c2 = max(1.0, (split.prompt_budget + settings.max_new_tokens) / settings.token_budget)
-        topr = round(settings.head_dim * settings.page_size / c2 / 16) * 16
-        topr = min(max(topr, 16), settings.head_dim)
-    else:
-        prompt_budget = settings.prompt_budget
-        topk = settings.topk
-        topr = settings.topr
+    budget = kernel_budget(settings, n, head_dim=settings.head_dim, block_size=settings.block_size)
+    prompt_budget, topk, topr = budget.prompt_budget, budget.topk, budget.topr
     if not settings.evict:
         # Stage 2 only: keep all n tokens (identity compaction, nothing
         # freed: num_compact == tail_start); sparse decode pays off only

@@ -30,22 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rocketkv_vllm.budget import budget_pages_selected, kernel_budget
 from rocketkv_vllm.config import RocketKVSettings, TestAids
-from rocketkv_vllm.plan import max_view_pages, pages_selected
-
-
-def max_topk(settings: RocketKVSettings) -> int:
-    """The largest per-step token selection any request of the engine uses
-    (a per-request budget may select more: ``budget_pages_selected``)."""
-    if settings.token_budget is None:
-        return settings.topk
-    return budget_pages_selected(settings.token_budget, settings.page_size) * settings.page_size
-
-
-def budget_pages_selected(token_budget: int, page_size: int) -> int:
-    """Pages selected per step by a request planned with this token budget
-    (its top-k is half the budget, in whole pages: ``plan_request``)."""
-    return pages_selected(token_budget // 2, page_size)
+from rocketkv_vllm.plan import max_view_pages
 
 
 @dataclass(frozen=True)
@@ -60,11 +47,13 @@ class DecodeGraphShape:
 
 def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> DecodeGraphShape:
     """Stage 2's launch shape for FULL CUDA graphs (``backend.graphs``): the
-    most view pages any request can have, the engine's largest selection."""
+    most view pages any request can have, the engine's selection (the same
+    for every prompt length; a per-request budget may select more)."""
     max_pages = max_view_pages(max_model_len, settings.page_size)
-    return DecodeGraphShape(
-        rows, max_pages, min(pages_selected(max_topk(settings), settings.page_size), max_pages)
+    budget = kernel_budget(
+        settings, max_model_len, head_dim=settings.head_dim, block_size=settings.block_size
     )
+    return DecodeGraphShape(rows, max_pages, min(budget.pages_selected, max_pages))
 
 
 class GraphBuffers:
