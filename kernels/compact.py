@@ -50,8 +50,14 @@ from rocketkv_vllm.kernels._utils import (
 )
 from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
 
+# Arguments that change from prompt to prompt (its block-table row, kept
+# positions, page range): not specialized, so one compile per engine serves
+# every prompt (see ``window_scores.STAGE1_PER_PROMPT_STATS``).
+STAGE1_PER_PROMPT_COMPACT = ["bt_ptr", "kept_ptr", "num_kept", "stride_kept"]
+STAGE1_PER_PROMPT_KT_PAGES = ["bt_ptr", "lo", "hi", "num_pages"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STAGE1_PER_PROMPT_COMPACT)
 def _compact_kernel(
     k_ptr,
     v_ptr,
@@ -124,7 +130,7 @@ def _compact_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STAGE1_PER_PROMPT_KT_PAGES)
 def _kt_pages_kernel(
     k_ptr,
     kt_ptr,

@@ -47,6 +47,13 @@ from rocketkv_vllm.kernels._utils import (
 
 _LOG2E = 1.4426950408889634
 
+# Arguments that change from prompt to prompt (its length, its block-table
+# row, where vLLM's query tensor keeps the window): not specialized, so one
+# compile per engine serves every prompt and the engine's warm-up
+# (``backend.warmup``) compiles it before the first request.
+STAGE1_PER_PROMPT_STATS = ["q_ptr", "bt_ptr", "n_tokens", "num_chunks", "stride_qw", "stride_qh"]
+STAGE1_PER_PROMPT_COLSUM = ["q_ptr", "bt_ptr", "num_cols", "stride_qw", "stride_qh", "stride_oh"]
+
 
 @triton.jit
 def _chunked_dot(
@@ -78,7 +85,7 @@ def _chunked_dot(
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STAGE1_PER_PROMPT_STATS)
 def _window_stats_kernel(
     q_ptr,
     k_ptr,
@@ -165,7 +172,7 @@ def _window_stats_kernel(
     tl.store(l_ptr + out, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STAGE1_PER_PROMPT_COLSUM)
 def _window_colsum_kernel(
     q_ptr,
     k_ptr,

@@ -334,6 +334,20 @@ def _get_kv_cache_spec(original):
     return get_kv_cache_spec
 
 
+def _compile_or_warm_up_model(original):
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self):
+        from rocketkv_vllm.engine import is_rocketkv_engine
+
+        if is_rocketkv_engine(self.vllm_config):
+            from rocketkv_vllm.backend.warmup import warm_up_worker
+
+            warm_up_worker(self.vllm_config)
+        return original(self)
+
+    return compile_or_warm_up_model
+
+
 _V1_RUNNER = "vllm.v1.worker.gpu_model_runner"
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
@@ -441,6 +455,15 @@ PATCHES: tuple[Patch, ...] = (
         "carry the scheduler's prefix-cache account inside vLLM's own scheduler "
         "stats to the API server's rocketkv:* metrics (kv_cache, metrics)",
         exact=False,
+    ),
+    Patch(
+        "vllm.v1.worker.gpu_worker",
+        "Worker",
+        "compile_or_warm_up_model",
+        ("self",),
+        _compile_or_warm_up_model,
+        "compile Stage 1's Triton kernels at engine start, before vLLM's warm-up "
+        "and graph capture, not on the first long prompt (backend.warmup)",
     ),
     Patch(
         _V1_RUNNER,
@@ -611,6 +634,31 @@ RELIED_ON: tuple[Relied, ...] = (
         "attr",
         "register the host-tier connector once per process",
         "rocketkv_vllm.host_tier.register_connector",
+    ),
+    # -- Stage 1's warm-up at engine start (backend.warmup) --
+    Relied(
+        "vllm.config.compilation",
+        "CompilationConfig",
+        "static_forward_context",
+        "attr",
+        "find the worker's attention layers to warm Stage 1 up on",
+        "rocketkv_vllm.backend.warmup.warm_up_worker",
+    ),
+    Relied(
+        "vllm.model_executor.layers.attention.attention",
+        "Attention",
+        "kv_cache",
+        "attr",
+        "the layer's bound KV cache the warm-up compacts a dummy prompt in",
+        "rocketkv_vllm.backend.warmup.warm_up_worker",
+    ),
+    Relied(
+        "vllm.model_executor.layers.attention.attention",
+        "Attention",
+        "impl",
+        "attr",
+        "the layer's ROCKETKV impl (its Stage 1, settings, layout)",
+        "rocketkv_vllm.backend.warmup.warm_up_worker",
     ),
     # -- the account in vLLM's scheduler stats (kv_cache, metrics) --
     Relied(
