@@ -17,8 +17,7 @@ Per decode row b and KV head h with query heads q_1..q_G (G = Hq / Hkv):
   page's term in the denominator weighted by its token count n_p (the
   reference's softmax over tokens: a partly filled page counts less), so
   probs[p] = mean_g exp(s_gp / tau_g) / sum_q n_q exp(s_gq / tau_g) is one
-  token's probability -> probs [B, Hkv, max_pages] fp32, written for the
-  row's own pages only; with ``force_current_page`` the page of the newest
+  token's probability; with ``force_current_page`` the page of the newest
   token gets 2.0 and is selected as an extra page (n_use below counts it on
   top).
 
@@ -26,43 +25,63 @@ The view's pages (see ``layout``): j < npc = ceil(num_compact / ps) start at
 j * ps, the others at tail_start + (j - npc) * ps; P = npc +
 ceil((seq_len - tail_start) / ps).
 
-Launch sequence (all grids fixed by B, Hkv, max_pages: CUDA-graph safe):
-1. ``_page_logits_kernel`` grid (B*Hkv, S) (S from B, Hkv and the SM
-   count, about 4 programs per SM; CHUNK = max_pages / S: Python ints):
-   the row's own P pages are spread over the S splits in whole tiles of
-   BLOCK_P (so the work follows P, not max_pages, when a CUDA graph fixes
-   max_pages at its largest), one [G_pad, d] x [d, BLOCK_P] fp32 dot per
-   tile; stores the tempered logits (log2 units) to a scratch [B, Hkv, G,
-   max_pages] and each split's partial max / token-weighted sum-of-exp per
-   query head.
-2. ``_page_probs_kernel`` grid (B*Hkv, S): merges the S partials, turns
-   the row's logits in [s*CHUNK, (s+1)*CHUNK) into group-averaged
-   probabilities (only the row's own pages are written).
-3. selection, n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages
-   per row (f = 1 with force_current_page, else 0): ``_select_pages_kernel``
-   grid (B*Hkv) -- a bisection on the fp32 bit patterns finds the n_use-th
-   largest probability, then a cumsum packs the winners (ties: lowest page
-   index); rows longer than SELECT_BLOCK_PAGES are read in chunks. (Or
-   ``torch.topk(sorted=True)``, its first n_use entries, on request.)
+Two launches, both grid (B*Hkv, S) (S from B, Hkv, max_pages and the SM
+count: ``plan_score``, Python ints, so CUDA-graph safe; each row's own P
+pages are spread over the S splits in whole tiles of BLOCK_P, so the work
+follows P, not max_pages, when a CUDA graph fixes max_pages at its largest):
+
+1. ``_score_kernel``: (decode, ``update_kt``) the split holding the row's
+   last page -- the newest token's -- first recomputes that page's KT row
+   from its keys (``kt_update.refresh_kt_row``, what the separate KT update
+   launch did), then every split scores its pages: one [G_pad, d] x [d,
+   BLOCK_P] fp32 dot per tile, the tempered logits (log2 units) to a
+   scratch [B, Hkv, G, max_pages], each split's partial max /
+   token-weighted sum-of-exp per query head to [B*Hkv, S, G_pad].
+2. ``_select_kernel``: every split merges the S partials (a few hundred
+   floats), turns its own pages' logits into probabilities (written out
+   only on request: ``hsa_page_probs``, or when a split's pages exceed what
+   it holds in registers) and picks its local top-n_use candidates; the
+   last split of the row to finish (an atomic counter per row and head in
+   the scratch, reset to 0 by that split, so CUDA-graph replays find it at
+   0) merges the S candidate lists into the row's n_use pages. A two-level
+   top-n: exact, because a page among the row's n_use best is among the
+   n_use best of its own split under the same order (probability, then
+   lowest page index). Each top-n is a bisection on the fp32 bit patterns
+   (probabilities are >= 0, so their int32 patterns order like the values)
+   for the n-th largest, then a cumsum packs the winners in ascending page
+   order, ties at the threshold by lowest index. So no pass runs a whole
+   row in one program: the merge reads S x min(n_use, chunk) candidates.
+
+n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages per row, f = 1
+with force_current_page (else 0), n_sel = min(max_select + f, max_pages).
+
+``select_pages`` (probabilities given, e.g. by a test) runs the selection
+kernel alone on them (``FROM_PROBS``), or ``torch.topk`` on request.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from rocketkv_vllm.kernels._utils import (
+    cache_strides,
     cdiv,
+    check_kv_cache,
     dot_upcast,
     group_pad,
     head_pad,
+    kv_operand,
     mma,
     next_pow2,
     num_sms,
     row_vectors,
 )
 from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, load_kt_fp8_bounds
+from rocketkv_vllm.kernels.kt_update import refresh_kt_row
 
 _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E)
@@ -82,7 +101,26 @@ def _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS: tl.constexpr):
 
 
 @triton.jit
-def _page_logits_kernel(
+def _split_range(row_pages, num_splits, split, BLOCK_P: tl.constexpr):
+    """(chunk, lo, hi): split ``split``'s pages [lo, hi) of a row of
+    row_pages pages, spread over num_splits splits in whole tiles of BLOCK_P
+    (the scoring and the selection kernel split a row the same way)."""
+    chunk = ((row_pages + num_splits - 1) // num_splits + BLOCK_P - 1) // BLOCK_P * BLOCK_P
+    chunk = tl.maximum(chunk, BLOCK_P)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, row_pages)
+    return chunk, lo, hi
+
+
+@triton.jit
+def _n_use(topk_ptr, b, num_pages, num_sel, extra, PS: tl.constexpr):
+    """Pages row b selects: min(max(topk // ps, 1) + extra, P, n_sel)."""
+    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1) + extra
+    return tl.minimum(tl.minimum(n_want, num_pages), num_sel)
+
+
+@triton.jit
+def _score_kernel(
     q_ptr,
     kt_ptr,
     bt_ptr,
@@ -93,39 +131,80 @@ def _page_logits_kernel(
     logit_ptr,
     pm_ptr,
     pl_ptr,
+    k_ptr,
     num_kv_heads,
     max_pages,
     num_splits,
+    k_scale,
     stride_qb,
     stride_qh,
     stride_bt,
     stride_tb,
     stride_th,
     stride_tp,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BS: tl.constexpr,
     PS: tl.constexpr,
+    PS_PAD: tl.constexpr,
     BLOCK_P: tl.constexpr,
     RANK_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     HALF: tl.constexpr,
     KT_FP8: tl.constexpr,
+    FP8: tl.constexpr,
+    UPDATE_KT: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    r = tl.load(topr_ptr + b).to(tl.int32)
+    # (a row with more pages than max_pages is a caller error: its pages
+    # past max_pages are ignored rather than written out of bounds)
+    row_pages = tl.minimum(num_pages, max_pages)
+    chunk, lo, hi = _split_range(row_pages, num_splits, split, BLOCK_P)
+    row_bt = bt_ptr + b.to(tl.int64) * stride_bt
+    if UPDATE_KT:
+        # The newest token's page is the row's last: the split scoring it
+        # refreshes its KT row first (no other program reads that row).
+        if (seq > 0) & ((row_pages - 1) // chunk == split):
+            refresh_kt_row(
+                k_ptr,
+                kt_ptr,
+                row_bt,
+                h,
+                seq,
+                stride_kb,
+                stride_kh,
+                stride_ks,
+                stride_kd,
+                stride_tb,
+                stride_th,
+                stride_tp,
+                k_scale,
+                D,
+                D_PAD,
+                BS,
+                PS,
+                PS_PAD,
+                KT_FP8,
+                FP8,
+            )
+            tl.debug_barrier()  # this program's loads below see the new row
 
     g = tl.arange(0, G_PAD)
     g_ok = g < G
     d = tl.arange(0, D_PAD)
     d_ok = d < D
+    r = tl.load(topr_ptr + b).to(tl.int32)
     q_row = q_ptr + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
     q = tl.load(
         q_row + g[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
@@ -173,15 +252,6 @@ def _page_logits_kernel(
         q3 = (rem - q2.to(tl.float32)).to(HALF)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    # The row's own pages spread over the splits, whole tiles each (the
-    # split count is fixed at launch; under a CUDA graph max_pages is the
-    # largest view, far above most rows').
-    # (a row with more pages than max_pages is a caller error: its pages
-    # past max_pages are ignored rather than written out of bounds)
-    row_pages = tl.minimum(num_pages, max_pages)
-    chunk = ((row_pages + num_splits - 1) // num_splits + BLOCK_P - 1) // BLOCK_P * BLOCK_P
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, row_pages)
     row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
     for p0 in range(lo, hi, BLOCK_P):
         j = p0 + tl.arange(0, BLOCK_P)
@@ -189,7 +259,7 @@ def _page_logits_kernel(
         start = tl.where(j < npc, j * PS, ts + (j - npc) * PS)
         # tokens of each page inside the view (its softmax weight)
         count = tl.minimum(tl.maximum(tl.where(j < npc, nc, seq) - start, 0), PS)
-        blk = tl.load(bt_ptr + b * stride_bt + start // BS, mask=ok, other=0).to(tl.int64)
+        blk = tl.load(row_bt + start // BS, mask=ok, other=0).to(tl.int64)
         base = kt_ptr + blk * stride_tb + h * stride_th + ((start % BS) // PS) * stride_tp
         # Whole min|max rows (vectorised loads; a 32-byte sector holds 16
         # channels, so skipping unchosen halves would save little traffic),
@@ -221,61 +291,547 @@ def _page_logits_kernel(
     tl.store(pl_ptr + part, l_i)
 
 
+# ---------------------------------------------------------------------------
+# Selection helpers: top-n of int32 bit patterns (>= 0 for candidates, -1 for
+# nothing), the first BLOCK held in registers, the rest read in chunks.
+
+
 @triton.jit
-def _page_probs_kernel(
+def _bits_at(row_ptr, idx, n, FLOAT: tl.constexpr):
+    """Bit patterns of row elements idx (fp32 values or int32 patterns);
+    -1 at idx >= n."""
+    if FLOAT:
+        v = tl.load(row_ptr + idx, mask=idx < n, other=-1.0).to(tl.int32, bitcast=True)
+    else:
+        v = tl.load(row_ptr + idx, mask=idx < n, other=-1)
+    return v
+
+
+@triton.jit
+def _count_rest(row_ptr, n, thr, STRICT: tl.constexpr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of elements [BLOCK, n) have pattern > thr (STRICT) or >= thr."""
+    cnt = thr * 0
+    for p0 in range(BLOCK, n, BLOCK):
+        bits = _bits_at(row_ptr, p0 + tl.arange(0, BLOCK), n, FLOAT)
+        if STRICT:
+            hit = bits > thr
+        else:
+            hit = bits >= thr
+        cnt += tl.sum(hit.to(tl.int32), 0)
+    return cnt
+
+
+@triton.jit
+def _threshold(bits0, row_ptr, n, want, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """(thr, room) for the top ``want`` of n elements (bits0: elements [0,
+    BLOCK), the rest at row_ptr): thr is the largest pattern with
+    count(>= thr) >= want (31 bisection steps on the bits), room how many
+    elements equal to thr are taken after all those above it."""
+    thr = want * 0  # int32 scalar
+    for k in tl.static_range(31):
+        cand = thr | (1 << (30 - k))
+        cnt = tl.sum((bits0 >= cand).to(tl.int32), 0) + _count_rest(
+            row_ptr, n, cand, False, FLOAT, BLOCK
+        )
+        thr = tl.where(cnt >= want, cand, thr)
+    above = tl.sum((bits0 > thr).to(tl.int32), 0) + _count_rest(row_ptr, n, thr, True, FLOAT, BLOCK)
+    return thr, want - above
+
+
+@triton.jit
+def _pack(bits, payload, thr, room, base, eq_seen, out_ptr, bits_out_ptr, STORE_BITS: tl.constexpr):
+    """Store the winners' payload (and, STORE_BITS, their patterns) at
+    out_ptr[base + ...] in order: every element above thr, the first
+    ``room`` (lowest index) equal to it. Returns the new (base, eq_seen)."""
+    greater = bits > thr
+    equal = bits == thr
+    eq_rank = eq_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
+    take = greater | (equal & (eq_rank < room))
+    pos = base + tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(out_ptr + pos, payload, mask=take)
+    if STORE_BITS:
+        tl.store(bits_out_ptr + pos, bits, mask=take)
+    return base + tl.sum(take.to(tl.int32), 0), eq_seen + tl.sum(equal.to(tl.int32), 0)
+
+
+@triton.jit
+def _merge_candidates(cbits_row, cpage_row, n, want, sel_row, BLOCK: tl.constexpr):
+    """The top ``want`` of n candidates (patterns cbits_row, pages
+    cpage_row) -> their pages at sel_row[0:want], candidate order."""
+    idx = tl.arange(0, BLOCK)
+    bits0 = _bits_at(cbits_row, idx, n, False)
+    thr, room = _threshold(bits0, cbits_row, n, want, False, BLOCK)
+    pages = tl.load(cpage_row + idx, mask=idx < n, other=0)
+    base, eq_seen = _pack(bits0, pages, thr, room, thr * 0, thr * 0, sel_row, sel_row, False)
+    for p0 in range(BLOCK, n, BLOCK):
+        i = p0 + idx
+        base, eq_seen = _pack(
+            _bits_at(cbits_row, i, n, False),
+            tl.load(cpage_row + i, mask=i < n, other=0),
+            thr,
+            room,
+            base,
+            eq_seen,
+            sel_row,
+            sel_row,
+            False,
+        )
+
+
+@triton.jit
+def _row_stats(
+    pm_ptr,
+    pl_ptr,
+    bh,
+    num_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    G2: tl.constexpr,
+    SCH: tl.constexpr,
+):
+    """The row's softmax max (log2 units; 0 where none) and 1 / (G * sum)
+    per query head, merged from the S splits' partials, SCH at a time."""
+    g = tl.arange(0, G2)
+    g_ok = g < G
+    m = tl.full([G2], float("-inf"), tl.float32)
+    l = tl.zeros([G2], tl.float32)
+    for s0 in range(0, num_splits, SCH):
+        sp = s0 + tl.arange(0, SCH)
+        part = (bh * num_splits + sp)[:, None] * G_PAD + g[None, :]
+        pmask = (sp < num_splits)[:, None] & g_ok[None, :]
+        pm = tl.load(pm_ptr + part, mask=pmask, other=float("-inf"))
+        pl = tl.load(pl_ptr + part, mask=pmask, other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - m_safe) + tl.sum(pl * tl.exp2(pm - m_safe[None, :]), 0)
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0) / G
+    return m_safe, inv_l
+
+
+@triton.jit
+def _probs_at(
+    row_logits,
+    j,
+    hi,
+    m_safe,
+    inv_l,
+    cur,
+    cur_ok,
+    max_pages,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    FORCE: tl.constexpr,
+):
+    """Probabilities of pages j (< hi) from their logits (2.0 on the forced
+    current page)."""
+    g = tl.arange(0, G2)
+    valid = j < hi
+    lg = tl.load(
+        row_logits + g[:, None] * max_pages + j[None, :],
+        mask=(g < G)[:, None] & valid[None, :],
+        other=float("-inf"),
+    )
+    pr = tl.sum(tl.exp2(lg - m_safe[:, None]) * inv_l[:, None], 0)
+    if FORCE:
+        pr = tl.where((j == cur) & cur_ok, 2.0, pr)
+    return pr
+
+
+@triton.jit
+def _select_kernel(
     logit_ptr,
     pm_ptr,
     pl_ptr,
     probs_ptr,
+    cbits_ptr,
+    cpage_ptr,
+    count_ptr,
+    sel_ptr,
     nc_ptr,
     ts_ptr,
     seq_ptr,
+    topk_ptr,
     num_kv_heads,
     max_pages,
     num_splits,
+    num_sel,
+    extra,
+    cand,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
+    G2: tl.constexpr,
+    SCH: tl.constexpr,
     PS: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    CHUNK: tl.constexpr,
-    S_PAD: tl.constexpr,
+    SUB: tl.constexpr,
+    LONG: tl.constexpr,
+    CAND_PAD: tl.constexpr,
+    MERGE_BLOCK: tl.constexpr,
     FORCE: tl.constexpr,
+    FROM_PROBS: tl.constexpr,
+    WRITE_PROBS: tl.constexpr,
+    SELECT: tl.constexpr,
 ):
+    """Split (bh, split): its pages' probabilities (from the logits, or
+    read: FROM_PROBS), its local top-n_use as candidates; the row's last
+    split to finish merges the candidates into sel[bh, :n_use] (ascending
+    page order). LONG: a split may hold more than SUB pages (the rest of
+    its probabilities go through ``probs`` and are read back)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    g = tl.arange(0, G_PAD)
-    g_ok = g < G
-    sp = tl.arange(0, S_PAD)
-    active = sp < num_splits  # an empty split left (-inf, 0)
-    part = (bh * num_splits + sp)[:, None] * G_PAD + g[None, :]
-    pmask = active[:, None] & g_ok[None, :]
-    pm = tl.load(pm_ptr + part, mask=pmask, other=float("-inf"))
-    pl = tl.load(pl_ptr + part, mask=pmask, other=0.0)
-    m = tl.max(pm, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.sum(pl * tl.exp2(pm - m_safe[None, :]), 0)
-    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0) / G
-    cur = npc + (seq - 1 - ts) // PS  # page of the newest token (in the tail)
-
-    row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
-    lo = split * CHUNK
-    # Only the row's own pages: the work (and the bytes written) follow the
-    # row, not max_pages (a FULL CUDA graph's, fixed by max_model_len).
-    hi = tl.minimum(lo + CHUNK, num_pages)
-    for p0 in range(lo, hi, BLOCK_P):
-        j = p0 + tl.arange(0, BLOCK_P)
-        valid = j < hi
-        lg = tl.load(
-            row_logits + g[:, None] * max_pages + j[None, :],
-            mask=g_ok[:, None] & valid[None, :],
-            other=float("-inf"),
+    row_pages = tl.minimum(num_pages, max_pages)
+    chunk, lo, hi = _split_range(row_pages, num_splits, split, BLOCK_P)
+    prow = probs_ptr + bh.to(tl.int64) * max_pages
+    j0 = lo + tl.arange(0, SUB)
+    if FROM_PROBS:
+        bits0 = _bits_at(prow, j0, hi, True)
+    else:
+        m_safe, inv_l = _row_stats(pm_ptr, pl_ptr, bh, num_splits, G, G_PAD, G2, SCH)
+        cur = npc + (seq - 1 - ts) // PS  # page of the newest token (in the tail)
+        cur_ok = seq - 1 >= ts
+        row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
+        pr = _probs_at(row_logits, j0, hi, m_safe, inv_l, cur, cur_ok, max_pages, G, G2, FORCE)
+        if WRITE_PROBS:  # only the row's own pages are written
+            tl.store(prow + j0, pr, mask=j0 < hi)
+        bits0 = tl.where(j0 < hi, pr.to(tl.int32, bitcast=True), -1)
+        if LONG:
+            for p0 in range(lo + SUB, hi, SUB):
+                jj = p0 + tl.arange(0, SUB)
+                pr = _probs_at(
+                    row_logits, jj, hi, m_safe, inv_l, cur, cur_ok, max_pages, G, G2, FORCE
+                )
+                tl.store(prow + jj, pr, mask=jj < hi)
+            tl.debug_barrier()  # read back below by this program
+    if SELECT:
+        n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
+        size = tl.maximum(hi - lo, 0)
+        n_loc = tl.minimum(n_use, size)
+        if size > n_loc:
+            thr, room = _threshold(bits0, prow + lo, size, n_loc, True, SUB)
+        else:  # every page of the split is a candidate
+            thr = n_loc * 0
+            room = size
+        crow = (bh * num_splits + split).to(tl.int64) * cand
+        base, eq_seen = _pack(
+            bits0, j0, thr, room, thr * 0, thr * 0, cpage_ptr + crow, cbits_ptr + crow, True
         )
-        pr = tl.sum(tl.exp2(lg - m_safe[:, None]) * inv_l[:, None], 0)
-        if FORCE:
-            pr = tl.where((j == cur) & (seq - 1 >= ts), 2.0, pr)
-        tl.store(probs_ptr + bh.to(tl.int64) * max_pages + j, pr, mask=valid)
+        if LONG or FROM_PROBS:
+            for p0 in range(lo + SUB, hi, SUB):
+                jj = p0 + tl.arange(0, SUB)
+                base, eq_seen = _pack(
+                    _bits_at(prow, jj, hi, True),
+                    jj,
+                    thr,
+                    room,
+                    base,
+                    eq_seen,
+                    cpage_ptr + crow,
+                    cbits_ptr + crow,
+                    True,
+                )
+        k = tl.arange(0, CAND_PAD)
+        tl.store(
+            cbits_ptr + crow + k, tl.full([CAND_PAD], -1, tl.int32), mask=(k >= n_loc) & (k < cand)
+        )
+        # The row's last split to get here merges (all splits' candidates
+        # are written: barrier, then a release / acquire counter).
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch / replay
+            busy = (row_pages + chunk - 1) // chunk
+            mrow = bh.to(tl.int64) * num_splits * cand
+            _merge_candidates(
+                cbits_ptr + mrow,
+                cpage_ptr + mrow,
+                busy * cand,
+                n_use,
+                sel_ptr + bh.to(tl.int64) * num_sel,
+                MERGE_BLOCK,
+            )
+
+
+# ---------------------------------------------------------------------------
+# Launch planning (Python ints only: the same for every replay of a graph)
+
+# Pages a scoring tile (tl.dot's N; 16 keeps registers low for every head
+# size and spreads a compressed view over more programs).
+BLOCK_PAGES = 16
+# Pages a selection program holds in registers; a split with more pages
+# writes the rest of its probabilities out and reads them back per step.
+SELECT_SUB_PAGES = 1024
+# Candidates the merge holds in registers (more: read back per step).
+MERGE_BLOCK_MAX = 4096
+# Programs per SM the scoring grid aims at.
+PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class ScorePlan:
+    """Launch shape of the scoring and selection kernels (both grid
+    (B*Hkv, splits))."""
+
+    batch: int
+    num_kv_heads: int
+    max_pages: int
+    splits: int
+    chunk_cap: int  # the most pages one split takes (rows <= max_pages)
+    n_sel: int  # selected entries per (row, head): min(max_select + f, max_pages)
+    cand: int  # candidate slots per split: min(n_sel, chunk_cap)
+    sub: int
+    merge_block: int
+    block_p: int = BLOCK_PAGES
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.batch * self.num_kv_heads, self.splits)
+
+    @property
+    def long(self) -> bool:
+        return self.chunk_cap > self.sub
+
+    def busy_programs(self, row_pages: int) -> int:
+        """Programs with pages to score for rows of row_pages pages each."""
+        row_pages = min(int(row_pages), self.max_pages)
+        if row_pages <= 0:
+            return 0
+        chunk = max(self.block_p, cdiv(cdiv(row_pages, self.splits), self.block_p) * self.block_p)
+        return self.batch * self.num_kv_heads * cdiv(row_pages, chunk)
+
+
+def plan_score(
+    batch: int,
+    num_kv_heads: int,
+    max_pages: int,
+    max_select: int,
+    force_current_page: bool,
+    sms: int,
+    chunk: int | None = None,
+) -> ScorePlan:
+    """Splits: about PROGRAMS_PER_SM programs per SM over the B*Hkv rows
+    (capped by max_pages' tiles), or max_pages / chunk when chunk is given."""
+    max_pages = max(1, int(max_pages))
+    block_p = BLOCK_PAGES
+    if chunk is None:
+        splits = min(
+            cdiv(PROGRAMS_PER_SM * sms, max(1, batch * num_kv_heads)), cdiv(max_pages, block_p)
+        )
+        chunk = cdiv(max_pages, max(1, splits))
+    chunk = max(block_p, cdiv(chunk, block_p) * block_p)
+    splits = cdiv(max_pages, chunk)
+    chunk_cap = cdiv(cdiv(max_pages, splits), block_p) * block_p
+    n_sel = max(1, min(int(max_select) + (1 if force_current_page else 0), max_pages))
+    cand = min(n_sel, chunk_cap)
+    return ScorePlan(
+        batch=int(batch),
+        num_kv_heads=int(num_kv_heads),
+        max_pages=max_pages,
+        splits=splits,
+        chunk_cap=chunk_cap,
+        n_sel=n_sel,
+        cand=cand,
+        sub=min(max(16, next_pow2(chunk_cap)), SELECT_SUB_PAGES),
+        merge_block=min(max(16, next_pow2(splits * cand)), MERGE_BLOCK_MAX),
+    )
+
+
+@dataclass
+class ScoreScratch:
+    """Device buffers of one scoring + selection launch (views of a
+    workspace, or allocated by ``alloc``). counters must hold 0."""
+
+    logits: torch.Tensor  # fp32, >= B*Hq*max_pages
+    part_m: torch.Tensor  # fp32, >= B*Hkv*splits*G_pad
+    part_l: torch.Tensor
+    probs: torch.Tensor | None  # fp32 [B, Hkv, max_pages] (a long plan, or probs out)
+    cand_bits: torch.Tensor  # int32, >= B*Hkv*splits*cand
+    cand_pages: torch.Tensor
+    counters: torch.Tensor  # int32, >= B*Hkv, all 0
+    sel: torch.Tensor  # int32 [B, Hkv, n_sel]
+
+    @staticmethod
+    def sizes(plan: ScorePlan, num_q_heads: int) -> dict[str, int]:
+        """Elements of each buffer for ``plan``."""
+        group = num_q_heads // plan.num_kv_heads
+        rows = plan.batch * plan.num_kv_heads
+        return dict(
+            logits=plan.batch * num_q_heads * plan.max_pages,
+            part=rows * plan.splits * group_pad(group),
+            probs=rows * plan.max_pages if plan.long else 0,
+            cand=rows * plan.splits * plan.cand,
+            counters=rows,
+            sel=rows * plan.n_sel,
+        )
+
+    @classmethod
+    def alloc(cls, plan: ScorePlan, num_q_heads: int, device, probs=False, logits=True):
+        n = cls.sizes(plan, num_q_heads)
+        if not logits:
+            n["logits"] = n["part"] = 0
+        f32 = dict(device=device, dtype=torch.float32)
+        i32 = dict(device=device, dtype=torch.int32)
+        rows = plan.batch * plan.num_kv_heads
+        return cls(
+            logits=torch.empty(max(1, n["logits"]), **f32),
+            part_m=torch.empty(max(1, n["part"]), **f32),
+            part_l=torch.empty(max(1, n["part"]), **f32),
+            probs=torch.empty(plan.batch, plan.num_kv_heads, plan.max_pages, **f32)
+            if probs or plan.long
+            else None,
+            cand_bits=torch.empty(max(1, n["cand"]), **i32),
+            cand_pages=torch.empty(max(1, n["cand"]), **i32),
+            counters=torch.zeros(max(1, rows), **i32),
+            sel=torch.empty(plan.batch, plan.num_kv_heads, plan.n_sel, **i32),
+        )
+
+
+def _half_type(kt_cache: torch.Tensor):
+    """The 16-bit type of the split dot: the KT's own, bf16 for fp8 rows
+    (their decoded values have <= 4 significant bits and fp32's exponent
+    range); None: fp32 KT, one IEEE fp32 dot."""
+    if kt_cache.dtype == torch.uint8:
+        return torch.bfloat16
+    return kt_cache.dtype if kt_cache.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def launch_score(
+    plan: ScorePlan,
+    scratch: ScoreScratch,
+    query: torch.Tensor,
+    kt_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topr: torch.Tensor,
+    page_size: int,
+    k_cache=None,
+) -> None:
+    """``_score_kernel``; with ``k_cache`` (a [num_blocks, Hkv, bs, d] view
+    or an ``fp8_kv.Fp8KV``) each row's newest KT page is refreshed first."""
+    batch, hq, d = query.shape
+    _, hkv, pages_per_block, width = kt_cache.shape
+    assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
+    assert kt_cache.stride(-1) == 1 and block_table.stride(-1) == 1
+    assert query.stride(-1) == 1
+    group = hq // hkv
+    bs = pages_per_block * page_size
+    update = k_cache is not None
+    if update:
+        k_cache, fp8, k_scale = kv_operand(k_cache)
+        assert check_kv_cache(k_cache)[:2] == (hkv, bs)
+        k_strides = cache_strides(k_cache)
+    else:
+        k_cache, fp8, k_scale, k_strides = kt_cache, 0, 1.0, (0, 0, 0, 0)
+    half = _half_type(kt_cache)
+    # 8 warps past d 64 (compile_kernels.py's register counts)
+    _score_kernel[plan.grid](
+        query,
+        kt_cache,
+        block_table,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topr,
+        scratch.logits,
+        scratch.part_m,
+        scratch.part_l,
+        k_cache,
+        hkv,
+        plan.max_pages,
+        plan.splits,
+        k_scale,
+        query.stride(0),
+        query.stride(1),
+        block_table.stride(0),
+        kt_cache.stride(0),
+        kt_cache.stride(1),
+        kt_cache.stride(2),
+        *k_strides,
+        G=group,
+        G_PAD=group_pad(group),
+        D=d,
+        D_PAD=head_pad(d),
+        BS=bs,
+        PS=page_size,
+        PS_PAD=max(2, next_pow2(page_size)),
+        BLOCK_P=plan.block_p,
+        RANK_CHUNK=min(16, head_pad(d)),
+        SPLIT=half is not None,
+        UPCAST=half is not None and dot_upcast(half),
+        HALF=_TL_DTYPE.get(half, tl.float32),
+        KT_FP8=kt_cache.dtype == torch.uint8,
+        FP8=fp8,
+        UPDATE_KT=update,
+        num_warps=4 if head_pad(d) <= 64 else 8,
+    )
+
+
+def launch_select(
+    plan: ScorePlan,
+    scratch: ScoreScratch,
+    num_q_heads: int,
+    num_compact: torch.Tensor,
+    tail_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    topk: torch.Tensor,
+    page_size: int,
+    force_current_page: bool,
+    select: bool = True,
+    write_probs: bool = False,
+    from_probs: bool = False,
+) -> None:
+    """``_select_kernel``: probabilities (written with write_probs) and / or
+    the selection into scratch.sel (select)."""
+    hkv = plan.num_kv_heads
+    group = num_q_heads // hkv
+    g2 = max(2, next_pow2(group))
+    probs = scratch.probs
+    assert probs is not None or not (plan.long or write_probs or from_probs)
+    if probs is None:
+        probs = scratch.logits  # unused
+    else:
+        assert probs.is_contiguous() and probs.numel() >= plan.batch * hkv * plan.max_pages
+    big = plan.sub >= 1024 or plan.merge_block >= 2048
+    _select_kernel[plan.grid](
+        scratch.logits,
+        scratch.part_m,
+        scratch.part_l,
+        probs,
+        scratch.cand_bits,
+        scratch.cand_pages,
+        scratch.counters,
+        scratch.sel,
+        num_compact,
+        tail_start,
+        seq_lens,
+        topk,
+        hkv,
+        plan.max_pages,
+        plan.splits,
+        plan.n_sel,
+        1 if force_current_page else 0,
+        plan.cand,
+        G=group,
+        G_PAD=group_pad(group),
+        G2=g2,
+        SCH=max(1, min(next_pow2(plan.splits), 2048 // g2)),
+        PS=page_size,
+        BLOCK_P=plan.block_p,
+        SUB=plan.sub,
+        LONG=plan.long,
+        CAND_PAD=max(2, next_pow2(plan.cand)),
+        MERGE_BLOCK=plan.merge_block,
+        FORCE=bool(force_current_page) and not from_probs,
+        FROM_PROBS=from_probs,
+        WRITE_PROBS=write_probs,
+        SELECT=select,
+        num_warps=8 if big else 4,
+    )
 
 
 def hsa_page_probs(
@@ -293,56 +849,29 @@ def hsa_page_probs(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Group-averaged, token-count weighted page probabilities [B, Hkv,
-    max_pages] fp32 (2.0 on the forced current page). Only each row's own
-    pages are written: the entries past its page count are left as they are
-    (``select_pages`` reads a row's pages only). ``out``: where to write."""
+    max_pages] fp32 (2.0 on the forced current page): the two kernels of
+    Stage 2's scoring, the selection step off. Only each row's own pages
+    are written: the entries past its page count are left as they are.
+    ``out``: where to write; chunk: pages a split (default: ``plan_score``)."""
     batch, hq, d = query.shape
-    _, hkv, pages_per_block, width = kt_cache.shape
-    assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
-    assert kt_cache.stride(-1) == 1
-    assert block_table.stride(-1) == 1
+    hkv = kt_cache.shape[1]
     if query.stride(-1) != 1:
         query = query.contiguous()
     num_compact, tail_start, seq_lens, topr = row_vectors(num_compact, tail_start, seq_lens, topr)
-    bs = pages_per_block * page_size
-    group = hq // hkv
-    max_pages = int(max_pages)
-    # Page tile and warps from compile_kernels.py's register counts (Triton
-    # 3.6 and 3.9, sm_80 / sm_90): 32 pages a tile (16 for fp8 rows past d
-    # 128), 8 warps past d 64; no 16-bit configuration spills.
-    fp8 = kt_cache.dtype == torch.uint8
-    block_p = 16 if fp8 and head_pad(d) > 128 else 32
-    logit_warps = 4 if head_pad(d) <= 64 else 8
-    if chunk is None:
-        # about 4 programs per SM, however large max_pages is (a FULL CUDA
-        # graph's): the kernel spreads each row's own pages over the splits
-        splits = min(cdiv(4 * num_sms(query.device), max(1, batch * hkv)), cdiv(max_pages, block_p))
-        chunk = cdiv(max_pages, splits)
-    chunk = max(block_p, cdiv(chunk, block_p) * block_p)
-    num_splits = cdiv(max_pages, chunk)
-    g_pad = group_pad(group)
-    # the 16-bit type of the split dot: the KT's own, bf16 for fp8 rows (their
-    # decoded values have <= 4 significant bits and fp32's exponent range);
-    # None: fp32 KT, one IEEE fp32 dot
-    half = (
-        torch.bfloat16
-        if fp8
-        else (kt_cache.dtype if kt_cache.dtype in (torch.bfloat16, torch.float16) else None)
-    )
-    dev = query.device
-    logits = torch.empty(batch, hkv, group, max_pages, device=dev, dtype=torch.float32)
-    part_m = torch.empty(batch * hkv, num_splits, g_pad, device=dev, dtype=torch.float32)
-    part_l = torch.empty_like(part_m)
+    plan = plan_score(batch, hkv, max_pages, 1, False, num_sms(query.device), chunk)
     probs = (
         out
         if out is not None
-        else torch.empty(batch, hkv, max_pages, device=dev, dtype=torch.float32)
+        else torch.empty(batch, hkv, plan.max_pages, device=query.device, dtype=torch.float32)
     )
-    assert probs.shape == (batch, hkv, max_pages) and probs.is_contiguous()
+    assert probs.shape == (batch, hkv, plan.max_pages) and probs.is_contiguous()
     if batch == 0:
         return probs
-    grid = (batch * hkv, num_splits)
-    _page_logits_kernel[grid](
+    scratch = ScoreScratch.alloc(plan, hq, query.device)
+    scratch.probs = probs
+    launch_score(
+        plan,
+        scratch,
         query,
         kt_cache,
         block_table,
@@ -350,147 +879,22 @@ def hsa_page_probs(
         tail_start,
         seq_lens,
         topr,
-        logits,
-        part_m,
-        part_l,
-        hkv,
-        max_pages,
-        num_splits,
-        query.stride(0),
-        query.stride(1),
-        block_table.stride(0),
-        kt_cache.stride(0),
-        kt_cache.stride(1),
-        kt_cache.stride(2),
-        G=group,
-        G_PAD=g_pad,
-        D=d,
-        D_PAD=head_pad(d),
-        BS=bs,
-        PS=page_size,
-        BLOCK_P=block_p,
-        RANK_CHUNK=min(16, head_pad(d)),
-        SPLIT=half is not None,
-        UPCAST=half is not None and dot_upcast(half),
-        HALF=_TL_DTYPE.get(half, tl.float32),
-        KT_FP8=fp8,
-        num_warps=logit_warps,
+        page_size,
     )
-    _page_probs_kernel[grid](
-        logits,
-        part_m,
-        part_l,
-        probs,
+    launch_select(
+        plan,
+        scratch,
+        hq,
         num_compact,
         tail_start,
         seq_lens,
-        hkv,
-        max_pages,
-        num_splits,
-        G=group,
-        G_PAD=g_pad,
-        PS=page_size,
-        BLOCK_P=block_p,
-        CHUNK=chunk,
-        S_PAD=next_pow2(num_splits),
-        FORCE=bool(force_current_page),
-        num_warps=4,
+        seq_lens,  # topk: unused without the selection
+        page_size,
+        force_current_page,
+        select=False,
+        write_probs=True,
     )
     return probs
-
-
-@triton.jit
-def _load_bits(row_ptr, j, row_pages):
-    """fp32 bit patterns of the row's probabilities at pages j; pages past
-    the row read -1.0 (a negative pattern): never at a threshold >= 0."""
-    return tl.load(row_ptr + j, mask=j < row_pages, other=-1.0).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _count_chunks(row_ptr, row_pages, thr, STRICT: tl.constexpr, BLOCK: tl.constexpr):
-    """How many of the row's pages from BLOCK on have bit pattern > thr
-    (STRICT) or >= thr."""
-    cnt = thr * 0
-    for p0 in range(BLOCK, row_pages, BLOCK):
-        bits = _load_bits(row_ptr, p0 + tl.arange(0, BLOCK), row_pages)
-        if STRICT:
-            hit = bits > thr
-        else:
-            hit = bits >= thr
-        cnt += tl.sum(hit.to(tl.int32), 0)
-    return cnt
-
-
-@triton.jit
-def _take_chunk(bits, j, thr, room, base, eq_seen, sel_row):
-    """Store the chunk's winners at sel_row[base + ...]; returns the new
-    (base, eq_seen)."""
-    greater = bits > thr
-    equal = bits == thr
-    eq_rank = eq_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
-    take = greater | (equal & (eq_rank < room))
-    pos = base + tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(sel_row + pos, j, mask=take)
-    return base + tl.sum(take.to(tl.int32), 0), eq_seen + tl.sum(equal.to(tl.int32), 0)
-
-
-@triton.jit
-def _select_pages_kernel(
-    probs_ptr,
-    sel_ptr,
-    nc_ptr,
-    ts_ptr,
-    seq_ptr,
-    topk_ptr,
-    num_kv_heads,
-    max_pages,
-    num_sel,
-    extra,
-    PS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Row (b, h): write the indices of its n_use highest probabilities
-    (ascending page order) to sel[b, h, :n_use]; the rest is left as is.
-
-    Threshold search instead of a sort: probabilities are >= 0 floats, so
-    their int32 bit patterns order like the values; 31 bisection steps find
-    the largest pattern T with count(bits >= T) >= n_use, then everything
-    above T and the lowest-index ties at T are taken (exactly n_use). The
-    row's first BLOCK pages stay in registers; longer rows are read again
-    in chunks of BLOCK each step, so the work follows the row's own page
-    count whatever max_pages is."""
-    bh = tl.program_id(0)
-    b = bh // num_kv_heads
-    nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1) + extra
-    n_use = tl.minimum(tl.minimum(n_want, num_pages), num_sel)
-    row = probs_ptr + bh.to(tl.int64) * max_pages
-    row_pages = tl.minimum(num_pages, max_pages)
-    j = tl.arange(0, BLOCK)
-    bits = _load_bits(row, j, row_pages)
-    thr = n_use * 0  # int32 scalar
-    for k in tl.static_range(31):
-        cand = thr | (1 << (30 - k))
-        cnt = tl.sum((bits >= cand).to(tl.int32), 0) + _count_chunks(
-            row, row_pages, cand, False, BLOCK
-        )
-        thr = tl.where(cnt >= n_use, cand, thr)
-    room = (
-        n_use
-        - tl.sum((bits > thr).to(tl.int32), 0)
-        - _count_chunks(row, row_pages, thr, True, BLOCK)
-    )
-    sel_row = sel_ptr + bh.to(tl.int64) * num_sel
-    base, eq_seen = _take_chunk(bits, j, thr, room, thr * 0, thr * 0, sel_row)
-    for p0 in range(BLOCK, row_pages, BLOCK):
-        jc = p0 + tl.arange(0, BLOCK)
-        base, eq_seen = _take_chunk(
-            _load_bits(row, jc, row_pages), jc, thr, room, base, eq_seen, sel_row
-        )
-
-
-# Pages of a row the select kernel keeps in registers (longer rows: chunks).
-SELECT_BLOCK_PAGES = 4096
 
 
 def select_pages(
@@ -513,9 +917,9 @@ def select_pages(
 
     impl "torch": torch.topk(sorted=True) (best first) over the row's pages
     (with the row tensors; without them every entry must be a valid
-    probability or -1); "triton": the threshold-select kernel (needs the
-    per-row tensors; pages in ascending order); "auto": triton when the row
-    tensors are given.
+    probability or -1); "triton": the selection kernel on these
+    probabilities (needs the per-row tensors; pages in ascending order);
+    "auto": triton when the row tensors are given.
     """
     max_pages = probs.shape[-1]
     extra = 1 if force_current_page else 0
@@ -532,38 +936,24 @@ def select_pages(
             probs = probs.masked_fill(past, -1.0)
         return torch.topk(probs, k, dim=-1, sorted=True).indices
     assert impl == "triton" and have_rows and page_size is not None
-    assert probs.is_contiguous()
+    assert probs.is_contiguous() and probs.dtype == torch.float32
     batch, hkv, _ = probs.shape
     num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start, seq_lens, topk)
-    sel = torch.empty(batch, hkv, k, device=probs.device, dtype=torch.int32)
+    plan = plan_score(batch, hkv, max_pages, max_select, force_current_page, num_sms(probs.device))
     if batch == 0:
-        return sel
-    block = min(max(16, next_pow2(max_pages)), SELECT_BLOCK_PAGES)
-    _select_pages_kernel[(batch * hkv,)](
-        probs,
-        sel,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topk,
+        return torch.empty(batch, hkv, plan.n_sel, device=probs.device, dtype=torch.int32)
+    scratch = ScoreScratch.alloc(plan, hkv, probs.device, logits=False)
+    scratch.probs = probs
+    launch_select(
+        plan,
+        scratch,
         hkv,
-        max_pages,
-        k,
-        extra,
-        PS=page_size,
-        BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
-    )
-    return sel
-
-    return select_pages(
-        probs,
-        max_select,
         num_compact,
         tail_start,
         seq_lens,
         topk,
         page_size,
-        impl,
         force_current_page,
+        from_probs=True,
     )
+    return scratch.sel

@@ -43,6 +43,75 @@ from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, store_kt_fp8_rows
 
 
 @triton.jit
+def refresh_kt_row(
+    k_ptr,
+    kt_ptr,
+    row_bt,
+    h,
+    seq,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_tb,
+    stride_th,
+    stride_tp,
+    k_scale,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BS: tl.constexpr,
+    PS: tl.constexpr,
+    PS_PAD: tl.constexpr,
+    KT_FP8: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Recompute head h's KT row of the page holding slot seq - 1 from the
+    keys of slots [page_start, seq) (row_bt: the row's block table; seq >=
+    1): what ``kt_update`` does per (row, head), shared with the fused
+    scoring kernel (``hsa_score._score_kernel``)."""
+    pos = seq.to(tl.int64) - 1
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    page_lo = pos - pos % PS
+    blk = tl.load(row_bt + page_lo // BS).to(tl.int64)
+    off = page_lo % BS
+    i = tl.arange(0, PS_PAD)
+    ok = (i < PS) & ((page_lo + i) <= pos)
+    mask = ok[:, None] & d_ok[None, :]
+    base = k_ptr + blk * stride_kb + h * stride_kh
+    k = tl.load(base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd, mask=mask, other=0)
+    k = kv_values(k, k_scale, FP8).to(tl.float32)
+    kmin = tl.min(tl.where(mask, k, float("inf")), 0)
+    kmax = tl.max(tl.where(mask, k, float("-inf")), 0)
+    _store_kt_row(
+        kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp,
+        kmin,
+        kmax,
+        d,
+        d_ok,
+        D,
+        KT_FP8,
+    )
+
+
+@triton.jit
+def _store_kt_row(row, kmin, kmax, d, d_ok, D: tl.constexpr, KT_FP8: tl.constexpr):
+    if KT_FP8:  # uint8 rows: codes + scale, as one row of a [1, D_PAD] page tile
+        store_kt_fp8_rows(
+            row + tl.zeros([1], tl.int32),
+            kmin[None, :],
+            kmax[None, :],
+            tl.full([1], 1, tl.int1),
+            d,
+            d_ok,
+            D,
+        )
+    else:
+        tl.store(row + d, kmin.to(row.dtype.element_ty), mask=d_ok)
+        tl.store(row + D + d, kmax.to(row.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
 def _kt_update_kernel(
     k_ptr,
     v_ptr,
@@ -80,14 +149,14 @@ def _kt_update_kernel(
     seq = tl.load(seq_ptr + b).to(tl.int64)
     pos = seq - 1
     if pos >= 0:
-        d = tl.arange(0, D_PAD)
-        d_ok = d < D
-        page_lo = pos - pos % PS
-        blk = tl.load(bt_ptr + b * stride_bt + page_lo // BS).to(tl.int64)
-        off = page_lo % BS
-        base = k_ptr + blk * stride_kb + h * stride_kh
-        i = tl.arange(0, PS_PAD)
         if WRITE_KV:
+            d = tl.arange(0, D_PAD)
+            d_ok = d < D
+            page_lo = pos - pos % PS
+            blk = tl.load(bt_ptr + b * stride_bt + page_lo // BS).to(tl.int64)
+            off = page_lo % BS
+            base = k_ptr + blk * stride_kb + h * stride_kh
+            i = tl.arange(0, PS_PAD)
             kn = tl.load(knew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
             vn = tl.load(vnew_ptr + b * stride_nb + h * stride_nh + d, mask=d_ok, other=0.0)
             tl.store(
@@ -98,33 +167,39 @@ def _kt_update_kernel(
             v_dst = v_ptr + blk * stride_vb + h * stride_vh + (pos % BS) * stride_vs + d * stride_vd
             tl.store(v_dst, vn.to(v_ptr.dtype.element_ty), mask=d_ok)
             ok = (i < PS) & ((page_lo + i) < pos)  # the new slot: from registers
-        else:
-            ok = (i < PS) & ((page_lo + i) < seq)
-        mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd, mask=mask, other=0
-        )
-        k = kv_values(k, k_scale, FP8).to(tl.float32)
-        kmin = tl.min(tl.where(mask, k, float("inf")), 0)
-        kmax = tl.max(tl.where(mask, k, float("-inf")), 0)
-        if WRITE_KV:
-            knf = kn.to(k_ptr.dtype.element_ty).to(tl.float32)
-            kmin = tl.minimum(kmin, knf)
-            kmax = tl.maximum(kmax, knf)
-        row = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp
-        if KT_FP8:  # uint8 rows: codes + scale, as one row of a [1, D_PAD] page tile
-            store_kt_fp8_rows(
-                row + tl.zeros([1], tl.int32),
-                kmin[None, :],
-                kmax[None, :],
-                tl.full([1], 1, tl.int1),
-                d,
-                d_ok,
-                D,
+            mask = ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                base + (off + i)[:, None] * stride_ks + d[None, :] * stride_kd, mask=mask, other=0
             )
+            k = kv_values(k, k_scale, FP8).to(tl.float32)
+            knf = kn.to(k_ptr.dtype.element_ty).to(tl.float32)
+            kmin = tl.minimum(tl.min(tl.where(mask, k, float("inf")), 0), knf)
+            kmax = tl.maximum(tl.max(tl.where(mask, k, float("-inf")), 0), knf)
+            row = kt_ptr + blk * stride_tb + h * stride_th + (off // PS) * stride_tp
+            _store_kt_row(row, kmin, kmax, d, d_ok, D, KT_FP8)
         else:
-            tl.store(row + d, kmin.to(kt_ptr.dtype.element_ty), mask=d_ok)
-            tl.store(row + D + d, kmax.to(kt_ptr.dtype.element_ty), mask=d_ok)
+            refresh_kt_row(
+                k_ptr,
+                kt_ptr,
+                bt_ptr + b * stride_bt,
+                h,
+                seq,
+                stride_kb,
+                stride_kh,
+                stride_ks,
+                stride_kd,
+                stride_tb,
+                stride_th,
+                stride_tp,
+                k_scale,
+                D,
+                D_PAD,
+                BS,
+                PS,
+                PS_PAD,
+                KT_FP8,
+                FP8,
+            )
 
 
 def _launch(k_cache, v_cache, kt_cache, block_table, seq_lens, page_size, key, value):
