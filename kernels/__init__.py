@@ -9,7 +9,9 @@ One concern per module, each a kernel or two plus its launcher:
 * ``hsa_score``     -- HSA page probabilities and page selection, batched;
 * ``sparse_decode`` -- split-K decode attention over selected pages, batched;
 * ``dense_decode``  -- the dense paged decode baseline;
-* ``kt_fp8``        -- jit helpers that encode / decode fp8 KT rows.
+* ``kt_fp8``        -- jit helpers that encode / decode fp8 KT rows;
+* ``formats``       -- fp8 format codes and KT row sizes, shared with the
+                       package (which imports them from here).
 
 Every kernel reads / writes the KV cache through two views, ``k_cache`` and
 ``v_cache`` [num_blocks, Hkv, block_size, d]: block / head / slot /
@@ -28,5 +30,7 @@ The channel stride is an ordinary integer argument: Triton specializes
 integers equal to 1, so the contiguous case compiles exactly as with a
 hard-coded unit stride.
 
-No vLLM import anywhere here; ``rocketkv_vllm.ops.triton`` composes them.
+No vLLM import anywhere here, and nothing from the package outside
+``rocketkv_vllm.kernels``: the kernels are leaves (``tests/test_import_graph``);
+``rocketkv_vllm.ops.triton`` composes them.
 """

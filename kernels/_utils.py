@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
-
-from rocketkv_vllm.fp8_kv import FORMAT_CODES, Fp8KV
 
 
 def interpreting() -> bool:
@@ -38,14 +37,24 @@ def mma(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-def kv_operand(cache) -> tuple[torch.Tensor, int, float]:
+class KernelOperand(Protocol):
+    """A K or V cache view that is not itself a strided tensor (the package's
+    ``cache_view.CacheView``): it says what a kernel reads in its place."""
+
+    def kernel_operand(self) -> tuple[torch.Tensor, int, float]:
+        """(uint8 codes, FP8 code of ``formats.FORMAT_CODES``, scale) of an
+        fp8 view; raises TypeError where no strided tensor holds the view."""
+        ...
+
+
+def kv_operand(cache: torch.Tensor | KernelOperand) -> tuple[torch.Tensor, int, float]:
     """(tensor, FP8, scale) a kernel takes for one K or V cache view: an
     ``fp8_kv.Fp8KV`` (``split_kv`` with the layer's quant) gives its uint8
     codes, its format (FP8 1: e4m3, 2: e5m2) and scale; a view in a float
     dtype is itself, 0, 1.0. Raw uint8 views are refused: fp8 codes read as
     numbers would be silently wrong."""
-    if isinstance(cache, Fp8KV):
-        return cache.codes, FORMAT_CODES[cache.fp8_dtype], float(cache.scale)
+    if not isinstance(cache, torch.Tensor):
+        return cache.kernel_operand()
     assert cache.dtype != torch.uint8, (
         "an fp8 KV cache is read through fp8_kv.Fp8KV views (split_kv with the layer's quant)"
     )

@@ -1,6 +1,6 @@
 // Stage 2 (Hybrid Sparse Attention) for one decode token per row, on CPU.
 //
-// The same math as rocketkv_vllm/batched.py (its test oracle) in one pass per
+// The same math as rocketkv_vllm/ops/pytorch.py (its test oracle) in one pass per
 // (row, KV head): fold the newest key into its KT page, choose top-r
 // channels, score every page of the row's view by its min/max bound, take
 // the top pages by the token-count weighted, SparQ-tempered softmax
@@ -20,7 +20,7 @@
 // 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512); layout 2 (AMX) for d
 // and block_size divisible by 32, as CPU_ATTN chooses it.
 // The view of a compressed row is [0, num_compact) then [tail_start,
-// seq_len), cut into pages of page_size tokens (see rocketkv_vllm/paged.py).
+// seq_len), cut into pages of page_size tokens (see rocketkv_vllm/layout.py).
 // KT rows are [min | max] in the cache dtype, or (uint8 kt_cache) the fp8
 // rows of rocketkv_vllm/algorithm/kt_fp8.py: 2d e4m3 codes, rounded outward,
 // and a power-of-two fp32 scale.

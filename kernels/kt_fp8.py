@@ -1,10 +1,11 @@
 """fp8 KT rows in Triton: the codec of ``algorithm.kt_fp8``, bit for bit.
 
-A uint8 KT cache (kt_dtype "fp8_e4m3") holds rows of 2d + 16 bytes: d min
-codes (e4m3fn), d max codes, the row's fp32 power-of-two scale in bytes
-[2d, 2d+4), 12 zero bytes. Codes round outward (min toward -inf, max toward
-+inf) so a decoded row still bounds the page's keys; see
-``algorithm.kt_fp8`` for why, and for the oracle these helpers must match.
+A uint8 KT cache (kt_dtype "fp8_e4m3") holds rows of 2d + 16 bytes
+(``formats.fp8_kt_row_bytes``): d min codes (e4m3fn), d max codes, the
+row's fp32 power-of-two scale in bytes [2d, 2d+4), 12 zero bytes. Codes
+round outward (min toward -inf, max toward +inf) so a decoded row still
+bounds the page's keys; see ``algorithm.kt_fp8`` for why, and for the
+oracle these helpers must match.
 
 Only integer and fp32 ops, no tl.float8 types: the interpreter and every GPU
 generation then agree, and the rounding is explicit. Divisions use
@@ -22,14 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from rocketkv_vllm.algorithm.kt_fp8 import SCALE_BYTES, row_bytes
+from rocketkv_vllm.kernels.formats import FP8_KT_SCALE_BYTES, fp8_kt_row_bytes
 
-assert SCALE_BYTES == 16  # the tail written by store_kt_fp8_rows
+assert FP8_KT_SCALE_BYTES == 16  # the tail written by store_kt_fp8_rows
 
 
 def kt_row_width(kt_cache: torch.Tensor, head_dim: int) -> int:
     """Last-dim size of a KT cache: 2d values, or 2d + 16 bytes for fp8 rows."""
-    return row_bytes(head_dim) if kt_cache.dtype == torch.uint8 else 2 * head_dim
+    return fp8_kt_row_bytes(head_dim) if kt_cache.dtype == torch.uint8 else 2 * head_dim
 
 
 @triton.jit

@@ -8,7 +8,9 @@ checks it), each byte the fp8 code of ``value / scale`` with the layer's
 per-tensor k or v scale. ``Fp8KV`` wraps one such view of codes (a strided
 uint8 tensor, or a ``packed_kv.PackedKV`` over uint8) and reads it as fp32
 ``code * scale``: the PyTorch path addresses it as it addresses a cache
-(``cache[blocks, heads, slots]``, ``read_blocks_into``). It has no writes:
+(a ``cache_view.CacheView``: ``cache[blocks, heads, slots]``,
+``read_blocks_into``), and the Triton kernels take its codes, format and
+scale (``kernel_operand``). It has no writes:
 compaction moves the codes themselves (``codes``), so kept tokens stay
 bit for bit what the dense backend stored.
 """
@@ -19,16 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from rocketkv_vllm.cache_view import CacheView, KVView, read_blocks
+from rocketkv_vllm.kernels.formats import FORMAT_CODES
+
 # vLLM's fp8 cache dtypes and the fp8 format of their codes ("fp8" is e4m3).
 FP8_FORMATS = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-
-# The kernels' code for each format (the Triton kernels' FP8 constexpr, the
-# C++ Stage 2's kv_format; 0 there: a cache in a float dtype).
-FORMAT_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 # A large finite code of each format (448 and 57344): the test aid that
 # poisons evicted blocks writes it (vLLM's kernels read, and mask, unwritten
@@ -54,10 +55,10 @@ def kv_quant_for(kv_cache_dtype: str, layer) -> KVQuant | None:
     return KVQuant(fp8_dtype, float(layer._k_scale_float), float(layer._v_scale_float))
 
 
-class Fp8KV:
+class Fp8KV(CacheView):
     """K or V codes [num_blocks, Hkv, bs, d] read as fp32 values."""
 
-    def __init__(self, codes, fp8_dtype: torch.dtype, scale: float) -> None:
+    def __init__(self, codes: KVView, fp8_dtype: torch.dtype, scale: float) -> None:
         assert codes.dtype == torch.uint8, codes.dtype
         self.codes = codes
         self.fp8_dtype = fp8_dtype
@@ -75,15 +76,20 @@ class Fp8KV:
 
     def read_blocks_into(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
         """Whole blocks into ``out`` [len(blocks), Hkv, bs, d] (any strides)."""
-        if hasattr(self.codes, "read_blocks_into"):
-            codes = torch.empty(out.shape, dtype=torch.uint8, device=out.device)
-            self.codes.read_blocks_into(blocks, codes)
-        else:
-            codes = self.codes[blocks]
-        out.copy_(self._values(codes))
+        out.copy_(self._values(read_blocks(self.codes, blocks)))
+
+    def stored(self) -> KVView:
+        """The codes: compaction moves them, bit for bit."""
+        return self.codes
+
+    def kernel_operand(self) -> tuple[torch.Tensor, int, float]:
+        """The uint8 codes, their format's ``FORMAT_CODES`` and the scale."""
+        if not isinstance(self.codes, torch.Tensor):
+            return super().kernel_operand()  # fp8 codes in AMX tiles
+        return self.codes, FORMAT_CODES[self.fp8_dtype], float(self.scale)
 
 
-def dequantized(k_cache, v_cache, quant: KVQuant) -> tuple[Fp8KV, Fp8KV]:
+def dequantized(k_cache: KVView, v_cache: KVView, quant: KVQuant) -> tuple[Fp8KV, Fp8KV]:
     return Fp8KV(k_cache, quant.fp8_dtype, quant.k_scale), Fp8KV(
         v_cache, quant.fp8_dtype, quant.v_scale
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from rocketkv_vllm.algorithm import kt_fp8
+from rocketkv_vllm.cache_view import KVView
 from rocketkv_vllm.fp8_kv import KVQuant, dequantized
 
 
@@ -88,10 +89,12 @@ KV_LAYOUTS = ("token", "head_rows", "cpu_vec", "cpu_amx")
 
 def split_kv(
     kv_cache: torch.Tensor, layout: str, quant: KVQuant | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V views [num_blocks, Hkv, block_size, d] of a layer's cache;
-    with ``quant`` (an ``fp8_kv.KVQuant``: the cache holds fp8 codes) the
-    views read fp32 values (``fp8_kv.Fp8KV``; their ``codes`` are the bytes).
+) -> tuple[KVView, KVView]:
+    """K and V views [num_blocks, Hkv, block_size, d] of a layer's cache
+    (``cache_view.KVView``: strided tensors, or ``CacheView`` objects where
+    no strided tensor of numbers holds them); with ``quant`` (an
+    ``fp8_kv.KVQuant``: the cache holds fp8 codes) the views read fp32
+    values (``fp8_kv.Fp8KV``; their ``codes`` are the bytes).
 
     "token": K|V on the last dim of every token (vLLM's FLASH_ATTN and
     TRITON_ATTN); "head_rows": each head's block is [2 * block_size, d], K
@@ -112,7 +115,7 @@ def split_kv(
     return _split(kv_cache, layout)
 
 
-def _split(kv_cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _split(kv_cache: torch.Tensor, layout: str) -> tuple[KVView, KVView]:
     num_blocks, num_heads, block_size, width = kv_cache.shape
     d = width // 2
     if layout == "token":

@@ -10,7 +10,8 @@ reading them back, ``backend.cpu_kv_layout``):
     V: (c // 16) * 16 * block_size + (s // 2) * 32 + (c % 16) * 2 + s % 2
 
 Both are plain strided 6-D views. ``PackedKV`` exposes one of them the way
-``ops.pytorch`` (and the tests' reference) address a cache, ``cache[blocks, heads, slots]``
+``ops.pytorch`` (and the tests' reference) address a cache (a
+``cache_view.CacheView``), ``cache[blocks, heads, slots]``
 (heads a tensor or ``:``), for reads and writes, so the PyTorch path runs
 unchanged on it; the Triton kernels (NVIDIA) never see this layout.
 """
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from rocketkv_vllm.cache_view import CacheView
 
-class PackedKV:
+
+class PackedKV(CacheView):
     """K or V of an AMX-packed CPU_ATTN cache as [num_blocks, Hkv, bs, d]."""
 
     def __init__(self, kv_cache: torch.Tensor, kind: str) -> None:
@@ -70,6 +73,10 @@ class PackedKV:
             dst = out.unflatten(2, (bs // 2, 2)).unflatten(4, (d // 16, 16))
             dst = dst.permute(0, 1, 4, 2, 5, 3)
         dst.copy_(tiles)
+
+    def stored(self) -> PackedKV:
+        """Itself: it takes writes (``view[blocks, heads, slots] = values``)."""
+        return self
 
     def __getitem__(self, index) -> torch.Tensor:
         out = self.packed[self._index(index)]

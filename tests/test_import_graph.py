@@ -68,3 +68,72 @@ def test_no_import_circle_in_the_package():
     assert "rocketkv_vllm.config" in graph["rocketkv_vllm.plan"]  # the graph is read
     assert "rocketkv_vllm.kernels.compact" in graph["rocketkv_vllm.ops.triton"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+KERNELS = "rocketkv_vllm.kernels"
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module a file's imports name (inside functions too), relative
+    ones resolved against the file's ``package``; ``from pkg import name``
+    counts as ``pkg.name`` (a module or a name in pkg: either way it reaches
+    into pkg)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                # the file's package, minus level - 1 more parts
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def outside_kernels(names: set[str]) -> set[str]:
+    """The package modules in ``names`` that are not kernels."""
+    return {
+        n
+        for n in names
+        if (n == "rocketkv_vllm" or n.startswith("rocketkv_vllm."))
+        and n != KERNELS
+        and not n.startswith(KERNELS + ".")
+    }
+
+
+def test_imported_modules_sees_every_import_form():
+    source = """
+import torch
+import rocketkv_vllm.layout
+from rocketkv_vllm import fp8_kv
+from rocketkv_vllm.kernels._utils import cdiv
+from . import compact
+from .._x import y
+def f():
+    from rocketkv_vllm.algorithm.kt_fp8 import row_bytes
+"""
+    names = imported_modules(source, KERNELS)  # as in kernels/hsa_score.py
+    assert outside_kernels(names) == {
+        "rocketkv_vllm.layout",
+        "rocketkv_vllm.fp8_kv",
+        "rocketkv_vllm._x.y",
+        "rocketkv_vllm.algorithm.kt_fp8.row_bytes",
+    }
+
+
+def test_kernels_are_leaves():
+    """Nothing under kernels/ imports the package outside kernels/: the
+    package imports the kernels, never the other way round."""
+    kernels = PACKAGE / "kernels"
+    paths = sorted(kernels.glob("*.py"))
+    assert kernels / "kt_fp8.py" in paths  # the folder is read (through its symlink)
+    reached = {}
+    for path in paths:
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        bad = outside_kernels(imported_modules(path.read_text(), package))
+        if bad:
+            reached[path.name] = sorted(bad)
+    assert not reached, f"kernels importing the rest of the package: {reached}"

@@ -33,12 +33,22 @@ from __future__ import annotations
 
 import torch
 
+# The row geometry is shared with the Triton codec, which may not import
+# this package: it is defined beside the kernels (``kernels.formats``).
+from rocketkv_vllm.kernels.formats import FP8_KT_SCALE_BYTES as SCALE_BYTES
+from rocketkv_vllm.kernels.formats import fp8_kt_row_bytes as row_bytes
+
+__all__ = [
+    "E4M3_MAX",
+    "SCALE_BYTES",
+    "decode_rows",
+    "encode",
+    "encode_rows",
+    "row_bytes",
+    "row_scale",
+]
+
 E4M3_MAX = 448.0
-SCALE_BYTES = 16  # fp32 scale + padding to keep rows 16-byte aligned
-
-
-def row_bytes(head_dim: int) -> int:
-    return 2 * head_dim + SCALE_BYTES
 
 
 def _round_toward_zero(m: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from importlib import resources
 
 import torch
 
-from rocketkv_vllm.fp8_kv import FORMAT_CODES, KVQuant
+from rocketkv_vllm.fp8_kv import KVQuant
+from rocketkv_vllm.kernels.formats import FORMAT_CODES
 
 LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
 

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from rocketkv_vllm.algorithm import softmax_with_sinks, window_attention_scores
+from rocketkv_vllm.cache_view import KVView, read_blocks_into, stored
 from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots
 
 # ---- Stage 1 steps (one prompt)
 
 
-def prompt_keys(k_cache, block_row: torch.Tensor, n: int) -> torch.Tensor:
+def prompt_keys(k_cache: KVView, block_row: torch.Tensor, n: int) -> torch.Tensor:
     """Keys [n, Hkv, d] (fp32) of logical slots [0, n), read block by block
     (one copy, not per-token indexing: the AMX layout's tiles) into memory
     laid out [Hkv, d, n], the operand of the window scores' matmul."""
@@ -36,15 +37,12 @@ def prompt_keys(k_cache, block_row: torch.Tensor, n: int) -> torch.Tensor:
         num_heads, d, len(blocks) * block_size, dtype=torch.float32, device=block_row.device
     )
     whole = out.view(num_heads, d, len(blocks), block_size).permute(2, 0, 3, 1)
-    if hasattr(k_cache, "read_blocks_into"):
-        k_cache.read_blocks_into(blocks, whole)
-    else:
-        whole.copy_(k_cache[blocks])
+    read_blocks_into(k_cache, blocks, whole)
     return out[:, :, :n].permute(2, 0, 1)
 
 
 def window_scores(
-    q_window, k_cache, block_row, n: int, scale: float, sinks: torch.Tensor | None = None
+    q_window, k_cache: KVView, block_row, n: int, scale: float, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``algorithm.window_attention_scores`` of the request's prompt keys
     (sinks: optional [Hq] fp32 sink logits)."""
@@ -52,8 +50,8 @@ def window_scores(
 
 
 def compact_kept_tokens(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVView,
+    v_cache: KVView,
     block_row: torch.Tensor,
     kept: torch.Tensor,
 ) -> None:
@@ -71,13 +69,13 @@ def compact_kept_tokens(
     dst = torch.arange(count, device=kept.device)[None, :].expand(num_heads, -1)
     dst_blocks, dst_offsets = physical_slots(block_row, dst, block_size)
     for cache in (k_cache, v_cache):
-        cache = getattr(cache, "codes", cache)  # fp8 (``fp8_kv``): move the codes
-        moved = cache[src_blocks, heads, src_offsets].clone()
-        cache[dst_blocks, heads, dst_offsets] = moved
+        store = stored(cache)  # fp8 (``fp8_kv``): the codes move, not values
+        moved = store[src_blocks, heads, src_offsets].clone()
+        store[dst_blocks, heads, dst_offsets] = moved
 
 
 def write_kt_pages(
-    k_cache: torch.Tensor,
+    k_cache: KVView,
     kt_cache: torch.Tensor,
     block_row: torch.Tensor,
     lo: int,
@@ -151,7 +149,7 @@ def view_pages(
 
 
 def update_kt(
-    k_cache: torch.Tensor,
+    k_cache: KVView,
     kt_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -233,8 +231,8 @@ def select_pages(
 
 def sparse_attention(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVView,
+    v_cache: KVView,
     pages: ViewPages,
     top: torch.Tensor,
     valid: torch.Tensor,
@@ -272,8 +270,8 @@ def sparse_attention(
 
 def hsa_decode(
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVView,
+    v_cache: KVView,
     kt_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
