@@ -34,15 +34,53 @@ at token budget B (tokens attended per decode step):
   "force_current_page": false}``: pages of one token over all channels score
   exactly q.k, so this attends to the top-B tokens by true attention score.
 
+Ablations of ``rocketkv`` (issue 40: which part of the split costs answers at
+small budgets). Each is built from ``budget.kernel_budget``'s numbers for
+the run's prompt length L (page size p, prompt budget P, top-k K = B/2 in
+whole pages, top-r R; block size ``ABLATION_BLOCK_SIZE``, which only caps the
+page size and floors P) and the model's head dim d (its config.json), so they
+need a single --lengths value (refused otherwise). Not in the default grid.
+
+- ``rocketkv_explicit``: ``{"prompt_budget": P, "page_size": p, "topk": K,
+  "topr": R}`` (force_current_page and evict as ``rocketkv``: true): the
+  same numbers as explicit knobs; must reproduce ``rocketkv`` (a sanity
+  check of the ablations' construction).
+- ``rocketkv_topr_full``: as explicit, top-r = d (every channel scores).
+- ``rocketkv_topk_x2``: as explicit, Stage 2's top-k = B in whole pages
+  (twice the split's B/2).
+- ``rocketkv_ps8`` / ``rocketkv_ps2``: page size 8 / 2, with top-k and
+  top-r rescaled as ``kernel_budget`` does for that page size (top-k stays
+  B/2 in whole pages; top-r = the channels for that page size at the split's
+  compression ratio, e.g. 256 / 96 for d = 256 at B = 256, L = 8192); P is
+  unchanged (it does not depend on the page size).
+- ``rocketkv_stage1_only``: Stage 1 with the split's P, Stage 2 attends to
+  everything kept (as ``snapkv``: top-k >= P + T + two pages of slack, no
+  forced page, top-r = d).
+- ``rocketkv_stage2_only``: ``{"evict": false, "page_size": p, "topk": K,
+  "topr": R, "force_current_page": true}``: nothing evicted, the split's
+  Stage 2.
+
+Kept tokens per KV head after prefill (the memory a method frees): P for
+``rocketkv`` and its ablations with eviction (1,432 of 8,192 at B = 256),
+B for ``snapkv``, the whole prompt for ``quest``, ``oracle``,
+``rocketkv_stage2_only`` and ``dense``.
+
 A method whose settings the backend refuses (or whose engine fails to start)
 is recorded under ``errors`` and skipped; the run goes on.
 
 Per cell (task, length, method, budget) the JSON ``rows`` hold: accuracy
 (mean over samples of RULER's string_match_all, 0-100), n, std (population
 standard deviation of the per-sample scores), agreement (fraction of samples
-whose greedy tokens equal dense's exactly) and first_divergence_mean (mean
+whose greedy tokens equal dense's exactly), first_divergence_mean (mean
 index of the first generated token that differs from dense; a sample equal to
-dense counts its full length). ``outputs`` keeps every sample's tokens, text,
+dense counts its full length), and ci_low / ci_high: a 95% confidence
+interval of the accuracy (``confidence_interval``). When every per-sample
+score is 0 or 100 (niah_single: one reference) it is the Wilson score
+interval of the pass rate; when some score is fractional (tasks with several
+references) it is the normal interval on the mean, mean +- 1.96 s / sqrt(n)
+with the sample standard deviation s, clipped to [0, 100]. Both are
+recomputed from the stored outputs on every save, so older results files
+gain them on ``--resume``. ``outputs`` keeps every sample's tokens, text,
 score and depth, so agreement can be recomputed and a killed run resumed.
 
 Usage (CPU, the embedded SmolLM2-135M-Instruct). The default grid is 5 tasks
@@ -74,7 +112,16 @@ the model must support it. Outputs: the JSON at --out, a CSV beside it with
 the same rows, and PNG plots beside it when matplotlib is installed
 (<out>-budget.png: accuracy vs budget per task, one line per method, dense
 as a horizontal line; <out>-depth.png: niah_single depth x length heat map
-per method, at the smallest budget).
+per method, at the smallest budget; <out>-methods.png: accuracy with its
+interval per method at each (task, length, budget), for ablation runs). The
+budget plot draws each point's interval as an error bar.
+
+Ablation run (issue 40; docs/results.md):
+
+    python scripts/eval_accuracy.py --model gemma3-270m --tasks niah_single \
+        --lengths 8192 --max-model-len 8208 --budgets 256 --samples 32 \
+        --dtype bfloat16 --methods rocketkv,rocketkv_topr_full,... --resume \
+        --out results/ablation-gemma3-270m-cpu.json
 """
 
 from __future__ import annotations
@@ -99,8 +146,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 from rocketkv_eval import tasks as eval_tasks  # noqa: E402
 from rocketkv_eval.model import MODEL_HELP, model_tag  # noqa: E402
 
-METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
-DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant on request (--methods)
+ABLATIONS = (
+    "rocketkv_explicit",
+    "rocketkv_topr_full",
+    "rocketkv_topk_x2",
+    "rocketkv_ps8",
+    "rocketkv_ps2",
+    "rocketkv_stage1_only",
+    "rocketkv_stage2_only",
+)
+METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt") + ABLATIONS
+DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant and the ablations on request (--methods)
+# The KV block size the ablations' split assumes: it only caps the page size
+# and floors the prompt budget (window + block), neither binding at the
+# budgets studied (vLLM's CPU engine runs Gemma 3 with 32-token blocks,
+# SmolLM2 with 16: the same numbers).
+ABLATION_BLOCK_SIZE = 16
 ROW_FIELDS = (
     "task",
     "length",
@@ -111,14 +172,129 @@ ROW_FIELDS = (
     "std",
     "agreement",
     "first_divergence_mean",
+    "ci_low",
+    "ci_high",
+    "kept_tokens",
 )
+Z95 = 1.959963984540054
 
 
-def method_settings(method: str, budget: int | None, max_tokens: int) -> dict | None:
-    """ROCKETKV ``additional_config["rocketkv"]`` for a method at budget B."""
+def confidence_interval(scores) -> tuple[float, float] | None:
+    """95% interval of the mean of per-sample scores (0-100): Wilson's score
+    interval when every score is 0 or 100, else the normal interval on the
+    mean (sample standard deviation), clipped to [0, 100]. None without
+    scores."""
+    n = len(scores)
+    if n == 0:
+        return None
+    if all(s in (0, 100) for s in scores):
+        p = sum(s == 100 for s in scores) / n
+        z2 = Z95 * Z95
+        centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+        half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+        lo, hi = 100 * (centre - half), 100 * (centre + half)
+    else:
+        m = sum(scores) / n
+        sd = math.sqrt(sum((s - m) ** 2 for s in scores) / (n - 1)) if n > 1 else 0.0
+        lo, hi = m - Z95 * sd / math.sqrt(n), m + Z95 * sd / math.sqrt(n)
+    return round(max(0.0, lo), 2), round(min(100.0, hi), 2)
+
+
+def model_head_dim(model_dir: str) -> int:
+    """Attention head dim from a model directory's config.json (``head_dim``,
+    else hidden_size / num_attention_heads; a multimodal model's
+    ``text_config`` when present)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    return int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+
+
+def ablation_settings(method: str, budget: int, max_tokens: int, head_dim: int, length: int):
+    """The explicit knobs of an ablation method (module docstring), from
+    ``kernel_budget``'s split of ``budget`` for a ``length``-token prompt."""
+    from dataclasses import replace
+
+    from rocketkv_vllm.budget import kernel_budget
+    from rocketkv_vllm.config import parse_config
+
+    knobs = parse_config({"token_budget": budget, "max_new_tokens": max_tokens})
+
+    def split(**changes):
+        return kernel_budget(
+            replace(knobs, **changes), length, head_dim=head_dim, block_size=ABLATION_BLOCK_SIZE
+        )
+
+    kb = split()
+    p = kb.page_size
+    explicit = {"prompt_budget": kb.prompt_budget, "page_size": p, "topk": kb.topk, "topr": kb.topr}
+    if method == "rocketkv_explicit":
+        return explicit
+    if method == "rocketkv_topr_full":
+        return {**explicit, "topr": head_dim}
+    if method == "rocketkv_topk_x2":
+        return {**explicit, "topk": split(token_budget=2 * budget).topk}
+    if method in ("rocketkv_ps8", "rocketkv_ps2"):
+        other = split(page_size=int(method[-1]))
+        return {
+            "prompt_budget": other.prompt_budget,
+            "page_size": other.page_size,
+            "topk": other.topk,
+            "topr": other.topr,
+        }
+    if method == "rocketkv_stage1_only":
+        return {
+            "prompt_budget": kb.prompt_budget,
+            "page_size": p,
+            "topk": -(-(kb.prompt_budget + max_tokens) // p) * p + 2 * p,
+            "topr": head_dim,
+            "force_current_page": False,
+        }
+    if method == "rocketkv_stage2_only":
+        return {
+            "evict": False,
+            "page_size": p,
+            "topk": kb.topk,
+            "topr": kb.topr,
+            "force_current_page": True,
+        }
+    raise SystemExit(f"unknown ablation {method!r}: choose from {ABLATIONS}")
+
+
+def kept_tokens(method: str, settings: dict | None, length: int) -> int:
+    """KV tokens each KV head keeps of a ``length``-token prompt after
+    prefill under a method's settings (``plan_request``'s kept_tokens at
+    ``ABLATION_BLOCK_SIZE``); dense: the prompt."""
+    if settings is None:
+        return length
+    from rocketkv_vllm.config import parse_config, resolve_settings
+    from rocketkv_vllm.plan import plan_request
+
+    cfg = parse_config(settings)
+    # head dim 256 covers every top-r here; it does not change the kept tokens.
+    engine = resolve_settings(cfg, ABLATION_BLOCK_SIZE, 256, length + cfg.max_new_tokens)
+    return plan_request(engine, length).kept_tokens()
+
+
+def method_settings(
+    method: str,
+    budget: int | None,
+    max_tokens: int,
+    *,
+    head_dim: int | None = None,
+    length: int | None = None,
+) -> dict | None:
+    """ROCKETKV ``additional_config["rocketkv"]`` for a method at budget B
+    (the ablations also need the model's head dim and the prompt length)."""
     if method == "dense":
         return None
     b = int(budget)
+    if method in ABLATIONS:
+        if head_dim is None or length is None:
+            raise ValueError(f"{method} needs the model's head dim and the prompt length")
+        return ablation_settings(method, b, max_tokens, head_dim, length)
     if method == "rocketkv":
         return {"token_budget": b, "max_new_tokens": max_tokens}
     if method == "rocketkv_fp8kt":
@@ -164,6 +340,9 @@ def finalize(report: dict) -> None:
     outs = report["outputs"]
     for row in report["rows"]:
         key = cell_key(row["task"], row["length"], row["method"], row["budget"])
+        scores = [s["score"] for s in outs.get(key) or [] if "score" in s]
+        ci = confidence_interval(scores) if scores else None
+        row["ci_low"], row["ci_high"] = ci if ci else (None, None)
         dense = outs.get(cell_key(row["task"], row["length"], "dense", None))
         mine = outs.get(key)
         if not dense or not mine or len(dense) != len(mine):
@@ -227,12 +406,18 @@ def plot(report: dict, path: str) -> list[str]:
                 cell = [r for r in rows if r["task"] == task and r["length"] == length]
                 for m in methods:
                     pts = sorted(
-                        (r["budget"], r["accuracy"])
+                        (r["budget"], r["accuracy"], r.get("ci_low"), r.get("ci_high"))
                         for r in cell
                         if r["method"] == m and r["budget"] is not None
                     )
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", label=m)
+                        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                        # the 95% interval as an error bar (none for rows without one)
+                        err = [
+                            [y - lo if lo is not None else 0 for _, y, lo, _ in pts],
+                            [hi - y if hi is not None else 0 for _, y, _, hi in pts],
+                        ]
+                        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=m)
                     dense = [r["accuracy"] for r in cell if r["method"] == "dense"]
                     if m == "dense" and dense:
                         ax.axhline(dense[0], color="black", ls="--", label="dense")
@@ -248,6 +433,54 @@ def plot(report: dict, path: str) -> list[str]:
         fig.suptitle(f"{report.get('model')}: accuracy vs token budget")
         fig.tight_layout(rect=(0, 0.05, 1, 0.97))
         out = base + "-budget.png"
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+
+    # Ablation view: one horizontal bar per method with its interval, one
+    # panel per (task, length, budget) that has any ablation row.
+    panels = sorted(
+        {(r["task"], r["length"], r["budget"]) for r in rows if r["method"] in ABLATIONS}
+    )
+    if panels:
+        fig, axes = plt.subplots(
+            len(panels), 1, squeeze=False, figsize=(7.5, 0.5 + 0.32 * len(METHODS) * len(panels))
+        )
+        for ax, (task, length, budget) in zip(axes[:, 0], panels):
+            cell = [
+                r
+                for r in rows
+                if r["task"] == task
+                and r["length"] == length
+                and (r["budget"] == budget or r["method"] == "dense")
+            ]
+            cell.sort(key=lambda r: METHODS.index(r["method"]) if r["method"] in METHODS else 99)
+            names = [
+                f"{r['method']} (n={r['n']}, kept {r.get('kept_tokens') or '?'})" for r in cell
+            ]
+            ys = list(range(len(cell)))[::-1]
+            acc = [r["accuracy"] for r in cell]
+            err = [
+                [
+                    r["accuracy"]
+                    - (r.get("ci_low") if r.get("ci_low") is not None else r["accuracy"])
+                    for r in cell
+                ],
+                [
+                    (r.get("ci_high") if r.get("ci_high") is not None else r["accuracy"])
+                    - r["accuracy"]
+                    for r in cell
+                ],
+            ]
+            colors = ["C0" if r["method"] in ABLATIONS else "C7" for r in cell]
+            ax.barh(ys, acc, xerr=err, color=colors, capsize=3)
+            ax.set_yticks(ys, names, fontsize=8)
+            ax.set_xlim(0, 105)
+            ax.set_xlabel("accuracy (95% interval)")
+            ax.set_title(f"{task} @ {length}, budget {budget}", fontsize=9)
+        fig.suptitle(f"{report.get('model')}: ROCKETKV ablations", fontsize=10)
+        fig.tight_layout()
+        out = base + "-methods.png"
         fig.savefig(out, dpi=110)
         plt.close(fig)
         written.append(out)
@@ -438,15 +671,29 @@ def main(argv=None) -> int:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}: choose from {METHODS}")
     methods.sort(key=lambda m: m != "dense")  # dense first: the others compare to it
+    ablations = [m for m in methods if m in ABLATIONS]
+    if ablations and len(lengths) != 1:
+        raise SystemExit(
+            f"--methods {','.join(ablations)}: ablation methods are built from the budget "
+            f"split of one prompt length; give a single --lengths value, not {args.lengths!r}"
+        )
     gen = args.max_tokens or max(eval_tasks.DEFAULT_MAX_TOKENS[t] for t in tasks)
     max_model_len = args.max_model_len or max(lengths) + gen
     model = resolve_model(args.model)
+    head_dim = model_head_dim(model)
     tokenizer = AutoTokenizer.from_pretrained(model)
+
+    def settings_of(method: str, budget: int | None, length: int | None = None):
+        return method_settings(method, budget, gen, head_dim=head_dim, length=length or lengths[0])
 
     report = load(args.out) if args.resume else {}
     report.setdefault("rows", [])
     report.setdefault("outputs", {})
     report["errors"] = []
+    # Each run's command (a resumed file may have been built by several).
+    if report.get("command") and not report.get("commands"):
+        report["commands"] = [report["command"]]
+    old_methods = (report.get("settings") or {}).get("methods") or {}
     report.update(
         {
             "command": " ".join(
@@ -461,6 +708,7 @@ def main(argv=None) -> int:
             },
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "model": os.path.basename(model.rstrip("/")),
+            "head_dim": head_dim,
             "settings": {
                 "samples": args.samples,
                 "seed": args.seed,
@@ -473,14 +721,30 @@ def main(argv=None) -> int:
             },
         }
     )
+    report.setdefault("commands", []).append(report["command"])
     report["settings"]["methods"] = {
-        m: (
-            None
-            if m == "dense"
-            else json.dumps(method_settings(m, 0, gen)).replace('": 0', '": "B"')
-        )
-        for m in methods
+        **old_methods,
+        **{
+            m: (
+                None
+                if m == "dense"
+                # ablations: their numbers at each budget of this run
+                else {str(b): settings_of(m, b) for b in budgets}
+                if m in ABLATIONS
+                else json.dumps(method_settings(m, 0, gen)).replace('": 0', '": "B"')
+            )
+            for m in methods
+        },
     }
+    for row in report["rows"]:  # files written before kept_tokens was recorded
+        if row.get("kept_tokens") is None and (
+            row["method"] not in ABLATIONS or row["length"] == lengths[0]
+        ):
+            row["kept_tokens"] = kept_tokens(
+                row["method"],
+                settings_of(row["method"], row["budget"], row["length"]),
+                row["length"],
+            )
     done = {cell_key(r["task"], r["length"], r["method"], r["budget"]) for r in report["rows"]}
 
     # Dense first, then budget by budget: a partial run compares methods early.
@@ -510,7 +774,7 @@ def main(argv=None) -> int:
                 continue
             name = method if budget is None else f"{method}@{budget}"
             bar.set_description(name)
-            settings = method_settings(method, budget, gen)
+            settings = settings_of(method, budget)
             llm = None
             try:
                 if settings is not None:
@@ -547,6 +811,7 @@ def main(argv=None) -> int:
                             "std": round(std, 2),
                             "agreement": None,
                             "first_divergence_mean": None,
+                            "kept_tokens": kept_tokens(method, settings, length),
                             "seconds": round(time.time() - t0, 1),
                         }
                     )
@@ -559,15 +824,17 @@ def main(argv=None) -> int:
     save(report, args.out)
 
     print(
-        f"\n{'task':16} {'length':>6} {'method':9} {'budget':>6} {'acc':>6} "
-        f"{'std':>6} {'agree':>6} {'1st div':>7}"
+        f"\n{'task':16} {'length':>6} {'method':20} {'budget':>6} {'acc':>6} "
+        f"{'std':>6} {'95% CI':>13} {'agree':>6} {'1st div':>7}"
     )
     for r in report["rows"]:
         ag, fd = r.get("agreement"), r.get("first_divergence_mean")
+        lo, hi = r.get("ci_low"), r.get("ci_high")
+        ci = "-" if lo is None else f"{lo:.1f}-{hi:.1f}"
         print(
-            f"{r['task']:16} {r['length']:>6} {r['method']:9} "
+            f"{r['task']:16} {r['length']:>6} {r['method']:20} "
             f"{'-' if r['budget'] is None else r['budget']:>6} {r['accuracy']:>6.1f} "
-            f"{r['std']:>6.1f} {'-' if ag is None else f'{ag:.2f}':>6} "
+            f"{r['std']:>6.1f} {ci:>13} {'-' if ag is None else f'{ag:.2f}':>6} "
             f"{'-' if fd is None else f'{fd:.1f}':>7}"
         )
     for e in report["errors"]:
