@@ -30,6 +30,8 @@ from rocketkv_vllm.kernels._utils import (
     group_pad,
     head_pad,
     kv_operand,
+    next_pow2,
+    num_sms,
     row_vectors,
 )
 from rocketkv_vllm.kernels.sparse_decode import (
@@ -38,10 +40,9 @@ from rocketkv_vllm.kernels.sparse_decode import (
     _load_kv,
     _load_q,
     _prepare,
+    _sink_term,
     _store_result,
     launch_options,
-    merge_splits,
-    plan_splits,
 )
 
 _LOG2E = 1.4426950408889634
@@ -150,6 +151,85 @@ def _dense_decode_kernel(
         D_PAD,
         DIRECT,
         SINKS,
+    )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    seq_ptr,
+    sink_ptr,
+    num_q_heads,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
+):
+    pid = tl.program_id(0)  # = b * Hq + hq = (b * Hkv + h) * G + g
+    b = pid // num_q_heads
+    seq = tl.load(seq_ptr + b)  # padding rows (<= 0): ``out`` keeps what it holds
+    hq = pid % num_q_heads
+    bh = pid // G
+    g = pid % G
+    s = tl.arange(0, S_PAD)
+    s_ok = s < num_splits
+    idx = (bh.to(tl.int64) * num_splits + s) * G + g
+    lse = tl.load(lse_ptr + idx, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    if SINKS:  # the partials hold none: the sink's term, once
+        total += _sink_term(sink_ptr, hq, hq < num_q_heads, m)
+    d = tl.arange(0, D_PAD)
+    o = tl.load(
+        o_ptr + idx[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0
+    )
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=(d < D) & ((d * 0 + seq) > 0),
+    )
+
+
+def plan_splits(
+    num_tiles: int, num_programs: int, device: torch.device, num_splits: int | None = None
+) -> tuple[int, int]:
+    """(splits, tiles per split) for num_tiles tiles of work per program row:
+    enough programs to fill the GPU (about 4 per SM), never an empty split."""
+    num_tiles = max(1, int(num_tiles))
+    if num_splits is None:
+        num_splits = cdiv(4 * num_sms(device), max(1, num_programs))
+    num_splits = max(1, min(int(num_splits), num_tiles))
+    tiles_per_split = cdiv(num_tiles, num_splits)
+    return cdiv(num_tiles, tiles_per_split), tiles_per_split
+
+
+def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d, sinks=None):
+    batch, hq, _ = out.shape
+    _merge_splits_kernel[(batch * hq,)](
+        o_part,
+        lse_part,
+        out,
+        seq_lens,
+        out if sinks is None else sinks,  # unused without sinks
+        hq,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        G=group,
+        D=d,
+        D_PAD=head_pad(d),
+        S_PAD=max(2, next_pow2(num_splits)),
+        SINKS=sinks is not None,
+        num_warps=4,
     )
 
 

@@ -12,15 +12,18 @@ the view is ever read. K and V are read through two views ``k_cache``,
 / channel strides, so any K/V placement inside a (padded) block works,
 K stored transposed per head block (CPU_ATTN) included.
 
-Flash-decoding structure:
-* ``_sparse_decode_kernel`` grid (B*Hkv, S): split s takes a fixed run of
-  selected-page entries, in tiles of PAGES_PER_TILE pages (BLOCK_N =
-  PAGES_PER_TILE * ps tokens). K/V of a tile are loaded once per KV head and
-  all G queries use them: one [G_pad, d] x [d, BLOCK_N] dot for the logits and
-  one [G_pad, BLOCK_N] x [BLOCK_N, d] dot for P.V (fp32 accumulation, online
-  softmax in log2 units). Output: a normalised partial and its log-sum-exp
-  per query head; with S == 1 the result goes straight to ``out``.
-* ``_merge_splits_kernel`` grid (B*Hq): merges the S partials.
+Flash-decoding structure, one launch: ``_sparse_decode_kernel`` grid
+(B*Hkv, S): split s takes a run of about n_use / S selected-page entries of
+the row (whole pages, so at batch 1 a few pages a program fill the GPU), in
+tiles of PAGES_PER_TILE pages (BLOCK_N = PAGES_PER_TILE * ps tokens). K/V of
+a tile are loaded once per KV head and all G queries use them: one [G_pad, d]
+x [d, BLOCK_N] dot for the logits and one [G_pad, BLOCK_N] x [BLOCK_N, d] dot
+for P.V (fp32 accumulation, online softmax in log2 units). With S == 1 the
+result goes straight to ``out``; else each split stores a normalised partial
+and its log-sum-exp per query head, and the row's last split to finish (an
+atomic counter per (row, KV head) in the scratch, which that split resets to
+0, so a CUDA-graph replay finds it at 0) merges the S partials into ``out``:
+no separate merge launch.
 
 Attention sinks (``sinks`` [Hq] fp32, ``algorithm.sinks``; SINKS constexpr):
 the sink adds exp(s_h - m) to a query head's softmax denominator and nothing
@@ -33,6 +36,8 @@ from tensor contents, so the launch is CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -52,7 +57,7 @@ from rocketkv_vllm.kernels._utils import (
     num_sms,
     row_vectors,
 )
-from rocketkv_vllm.kernels.hsa_score import _view_pages
+from rocketkv_vllm.kernels.hsa_score import _n_use, _view_pages
 
 _LOG2E = 1.4426950408889634
 
@@ -184,6 +189,63 @@ def _load_kv(
 
 
 @triton.jit
+def _merge_partials(
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    sink_ptr,
+    b,
+    h,
+    bh,
+    num_splits,
+    seq,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    G2: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SC: tl.constexpr,
+    SINKS: tl.constexpr,
+):
+    """The S partials of (row b, KV head h) -> ``out`` (online over SC
+    splits at a time; the sink's term once, at the end). Loads bypass L1:
+    other programs wrote the partials during this launch."""
+    g = tl.arange(0, G2)
+    g_ok = g < G
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    m = tl.full([G2], float("-inf"), tl.float32)
+    total = tl.zeros([G2], tl.float32)
+    acc = tl.zeros([G2, D_PAD], tl.float32)
+    for s0 in range(0, num_splits, SC):
+        s = s0 + tl.arange(0, SC)
+        ok = (s < num_splits)[:, None] & g_ok[None, :]
+        idx = (bh.to(tl.int64) * num_splits + s)[:, None] * G + g[None, :]
+        lse = tl.load(lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(
+            o_ptr + idx[:, :, None] * D + d[None, None, :],
+            mask=ok[:, :, None] & d_ok[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe[None, :])
+        total = total * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    if SINKS:  # the partials hold none: the sink's term, once
+        total += _sink_term(sink_ptr, h * G + g, g_ok, m)
+    res = acc / tl.where(total > 0, total, 1.0)[:, None]
+    dst = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[:, None] * stride_oh + d[None, :]
+    # padding rows (seq_len <= 0) keep what ``out`` holds
+    row_ok = g_ok & ((g * 0 + seq) > 0)
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _sparse_decode_kernel(
     q_ptr,
     k_ptr,
@@ -196,6 +258,7 @@ def _sparse_decode_kernel(
     topk_ptr,
     o_ptr,
     lse_ptr,
+    count_ptr,
     out_ptr,
     sink_ptr,
     num_kv_heads,
@@ -220,11 +283,13 @@ def _sparse_decode_kernel(
     stride_oh,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
+    G2: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     BS: tl.constexpr,
     PS: tl.constexpr,
     PAGES_PER_TILE: tl.constexpr,
+    SC: tl.constexpr,
     UPCAST: tl.constexpr,
     DIRECT: tl.constexpr,
     SINKS: tl.constexpr,
@@ -235,8 +300,7 @@ def _sparse_decode_kernel(
     b = bh // num_kv_heads
     h = bh % num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    n_want = tl.maximum(tl.load(topk_ptr + b).to(tl.int32) // PS, 1) + extra
-    n_use = tl.minimum(tl.minimum(n_want, num_pages), num_sel)
+    n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
 
     q = _load_q(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, D_PAD)
     d = tl.arange(0, D_PAD)
@@ -249,13 +313,12 @@ def _sparse_decode_kernel(
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     sel_row = sel_ptr + bh.to(tl.int64) * num_sel
     row_bt = bt_ptr + b.to(tl.int64) * stride_bt
-    # The row's own entries spread over the splits (the grid is fixed by
-    # n_sel; under a CUDA graph n_sel is the largest any row may use).
-    tiles_per_split = (
-        (n_use + PAGES_PER_TILE - 1) // PAGES_PER_TILE + num_splits - 1
-    ) // num_splits
-    lo = split * (tiles_per_split * PAGES_PER_TILE)
-    hi = tl.minimum(lo + tiles_per_split * PAGES_PER_TILE, n_use)
+    # The row's own entries spread over the splits, whole pages each (the
+    # grid is fixed by n_sel; under a CUDA graph n_sel is the largest any
+    # row may use).
+    per_split = (n_use + num_splits - 1) // num_splits
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_use)
     for e0 in range(lo, hi, PAGES_PER_TILE):
         e = e0 + tp
         e_ok = e < hi
@@ -311,51 +374,32 @@ def _sparse_decode_kernel(
         DIRECT,
         SINKS,
     )
-
-
-@triton.jit
-def _merge_splits_kernel(
-    o_ptr,
-    lse_ptr,
-    out_ptr,
-    seq_ptr,
-    sink_ptr,
-    num_q_heads,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    D_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
-    SINKS: tl.constexpr,
-):
-    pid = tl.program_id(0)  # = b * Hq + hq = (b * Hkv + h) * G + g
-    b = pid // num_q_heads
-    seq = tl.load(seq_ptr + b)  # padding rows (<= 0): ``out`` keeps what it holds
-    hq = pid % num_q_heads
-    bh = pid // G
-    g = pid % G
-    s = tl.arange(0, S_PAD)
-    s_ok = s < num_splits
-    idx = (bh.to(tl.int64) * num_splits + s) * G + g
-    lse = tl.load(lse_ptr + idx, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    total = tl.sum(w, 0)
-    if SINKS:  # the partials hold none: the sink's term, once
-        total += _sink_term(sink_ptr, hq, hq < num_q_heads, m)
-    d = tl.arange(0, D_PAD)
-    o = tl.load(
-        o_ptr + idx[:, None] * D + d[None, :], mask=s_ok[:, None] & (d < D)[None, :], other=0.0
-    )
-    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
-        res.to(out_ptr.dtype.element_ty),
-        mask=(d < D) & ((d * 0 + seq) > 0),
-    )
+    if not DIRECT:
+        # The last split of (row, head) to get here merges: every thread's
+        # partial is stored (barrier), then a release / acquire counter.
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch / replay
+            _merge_partials(
+                o_ptr,
+                lse_ptr,
+                out_ptr,
+                sink_ptr,
+                b,
+                h,
+                bh,
+                num_splits,
+                seq,
+                stride_ob,
+                stride_oh,
+                G,
+                G2,
+                D,
+                D_PAD,
+                SC,
+                SINKS,
+            )
 
 
 # Launch settings from compile_kernels.py's register counts (Triton 3.6 and
@@ -364,44 +408,101 @@ def _merge_splits_kernel(
 # 16-token tiles, unpipelined: an fp32 dot runs on FMAs and holds its whole
 # reduction dim per thread (64-token tiles spilled up to 9 KB a thread).
 FP32_TILE_TOKENS = 16
+MAX_TILE_TOKENS = 64
+# Programs per SM the grid aims at, and the fewest tokens a split takes (a
+# program's fixed cost -- query, partial, counter -- against its tokens).
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 8
 
 
 def launch_options(dtype: torch.dtype) -> dict:
     return dict(num_warps=4, num_stages=1 if dtype == torch.float32 else 3)
 
 
-def plan_splits(
-    num_tiles: int, num_programs: int, device: torch.device, num_splits: int | None = None
-) -> tuple[int, int]:
-    """(splits, tiles per split) for num_tiles tiles of work per program row:
-    enough programs to fill the GPU (about 4 per SM), never an empty split."""
-    num_tiles = max(1, int(num_tiles))
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Launch shape of ``_sparse_decode_kernel``: grid (B*Hkv, splits)."""
+
+    batch: int
+    num_kv_heads: int
+    n_sel: int
+    splits: int
+    pages_per_tile: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.batch * self.num_kv_heads, self.splits)
+
+    def busy_programs(self, n_use: int) -> int:
+        """Programs with pages to attend for rows using n_use entries each."""
+        n_use = min(int(n_use), self.n_sel)
+        if n_use <= 0:
+            return 0
+        return self.batch * self.num_kv_heads * cdiv(n_use, cdiv(n_use, self.splits))
+
+
+def plan_attention(
+    batch: int,
+    num_kv_heads: int,
+    n_sel: int,
+    page_size: int,
+    dtype: torch.dtype,
+    sms: int,
+    num_splits: int | None = None,
+    tile_tokens: int | None = None,
+) -> AttentionPlan:
+    """Splits: about PROGRAMS_PER_SM programs per SM over the B*Hkv rows,
+    each split at least MIN_SPLIT_TOKENS tokens (and one page) of a full
+    selection; tiles: the tokens a split takes, 16 to 64 (fp32: 16)."""
+    n_sel = max(1, int(n_sel))
     if num_splits is None:
-        num_splits = cdiv(4 * num_sms(device), max(1, num_programs))
-    num_splits = max(1, min(int(num_splits), num_tiles))
-    tiles_per_split = cdiv(num_tiles, num_splits)
-    return cdiv(num_tiles, tiles_per_split), tiles_per_split
-
-
-def merge_splits(o_part, lse_part, out, seq_lens, num_splits, group, d, sinks=None):
-    batch, hq, _ = out.shape
-    _merge_splits_kernel[(batch * hq,)](
-        o_part,
-        lse_part,
-        out,
-        seq_lens,
-        out if sinks is None else sinks,  # unused without sinks
-        hq,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        G=group,
-        D=d,
-        D_PAD=head_pad(d),
-        S_PAD=max(2, next_pow2(num_splits)),
-        SINKS=sinks is not None,
-        num_warps=4,
+        num_splits = min(
+            cdiv(PROGRAMS_PER_SM * sms, max(1, batch * num_kv_heads)),
+            cdiv(n_sel * page_size, MIN_SPLIT_TOKENS),
+        )
+    splits = max(1, min(int(num_splits), n_sel))
+    per_split = cdiv(n_sel, splits)
+    splits = cdiv(n_sel, per_split)  # a full selection leaves no split empty
+    top = FP32_TILE_TOKENS if dtype == torch.float32 else MAX_TILE_TOKENS
+    if tile_tokens is None:
+        tile_tokens = max(16, next_pow2(per_split * page_size))
+    tile_tokens = min(int(tile_tokens), top)
+    return AttentionPlan(
+        batch=int(batch),
+        num_kv_heads=int(num_kv_heads),
+        n_sel=n_sel,
+        splits=splits,
+        pages_per_tile=max(1, tile_tokens // page_size),
     )
+
+
+@dataclass
+class AttentionScratch:
+    """Split partials and the per-(row, head) counters (all 0) of one launch."""
+
+    o_part: torch.Tensor  # fp32, >= B*Hkv*splits*G*d
+    lse_part: torch.Tensor  # fp32, >= B*Hkv*splits*G
+    counters: torch.Tensor  # int32, >= B*Hkv
+
+    @staticmethod
+    def sizes(plan: AttentionPlan, num_q_heads: int, head_dim: int) -> dict[str, int]:
+        if plan.splits == 1:
+            return dict(o_part=0, lse_part=0, counters=0)
+        parts = plan.batch * num_q_heads * plan.splits
+        return dict(
+            o_part=parts * head_dim,
+            lse_part=parts,
+            counters=plan.batch * plan.num_kv_heads,
+        )
+
+    @classmethod
+    def alloc(cls, plan: AttentionPlan, num_q_heads: int, head_dim: int, device):
+        n = cls.sizes(plan, num_q_heads, head_dim)
+        return cls(
+            o_part=torch.empty(max(1, n["o_part"]), device=device, dtype=torch.float32),
+            lse_part=torch.empty(max(1, n["lse_part"]), device=device, dtype=torch.float32),
+            counters=torch.zeros(max(1, n["counters"]), device=device, dtype=torch.int32),
+        )
 
 
 def _prepare(query, k_cache, v_cache, out, sinks=None, fp8=0):
@@ -435,9 +536,11 @@ def sparse_decode(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    tile_tokens: int = 64,
+    tile_tokens: int | None = None,
     extra_pages: int = 0,
     sinks: torch.Tensor | None = None,
+    scratch: AttentionScratch | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Exact attention of query [B, Hq, d] over each KV head's selected pages.
 
@@ -449,38 +552,35 @@ def sparse_decode(
     or ``fp8_kv.Fp8KV`` views of an fp8 cache (dequantized on load; the
     query's dtype computes).
     Returns ``out`` [B, Hq, d] (allocated in the compute dtype if not given).
-    tile_tokens: tokens a tile (at most FP32_TILE_TOKENS for fp32).
-    sinks: optional [Hq] sink logits (fp32; ``algorithm.sinks``).
+    num_splits, tile_tokens: override ``plan_attention``'s (tile at most
+    FP32_TILE_TOKENS for fp32); plan: the launch shape, decided by the
+    caller; scratch: the partials and counters (all 0) to use (else
+    allocated). sinks: optional [Hq] sink logits (fp32; ``algorithm.sinks``).
     """
     k_cache, fp8, k_scale = kv_operand(k_cache)
     v_cache, v_fp8, v_scale = kv_operand(v_cache)
     assert v_fp8 == fp8, "K and V of one cache share its format"
     query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks, fp8)
     dtype = query.dtype  # what the dots run in: the cache's, or the query's (fp8)
-    if dtype == torch.float32:
-        tile_tokens = min(tile_tokens, FP32_TILE_TOKENS)
     batch = query.shape[0]
     assert sel.shape[:2] == (batch, hkv) and sel.stride(-1) == 1
     assert block_table.stride(-1) == 1 and bs % page_size == 0
     if batch == 0:
         return out
-    sel = sel.contiguous()
+    if not sel.is_contiguous():
+        sel = sel.contiguous()
     num_sel = sel.shape[2]
     num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start, seq_lens, topk)
-    pages_per_tile = max(1, tile_tokens // page_size)
-    splits, _ = plan_splits(cdiv(num_sel, pages_per_tile), batch * hkv, query.device, num_splits)
-    direct = splits == 1
-    g_pad = group_pad(group)
-    if direct:
-        o_part = lse_part = out  # unused
-    else:
-        o_part = torch.empty(
-            batch * hkv * splits * group, d, device=query.device, dtype=torch.float32
+    if plan is None:
+        plan = plan_attention(
+            batch, hkv, num_sel, page_size, dtype, num_sms(query.device), num_splits, tile_tokens
         )
-        lse_part = torch.empty(
-            batch * hkv * splits * group, device=query.device, dtype=torch.float32
-        )
-    _sparse_decode_kernel[(batch * hkv, splits)](
+    assert plan.grid[0] == batch * hkv and plan.n_sel == max(1, num_sel)
+    direct = plan.splits == 1
+    if scratch is None:
+        scratch = AttentionScratch.alloc(plan, group * hkv, d, query.device)
+    g2 = max(2, next_pow2(group))
+    _sparse_decode_kernel[plan.grid](
         query,
         k_cache,
         v_cache,
@@ -490,13 +590,14 @@ def sparse_decode(
         tail_start,
         seq_lens,
         topk,
-        o_part,
-        lse_part,
+        scratch.o_part,
+        scratch.lse_part,
+        scratch.counters,
         out,
         out if sinks is None else sinks,  # unused without sinks
         hkv,
         num_sel,
-        splits,
+        plan.splits,
         int(extra_pages),
         float(scale) * _LOG2E,
         k_scale,
@@ -509,18 +610,18 @@ def sparse_decode(
         out.stride(0),
         out.stride(1),
         G=group,
-        G_PAD=g_pad,
+        G_PAD=group_pad(group),
+        G2=g2,
         D=d,
         D_PAD=head_pad(d),
         BS=bs,
         PS=page_size,
-        PAGES_PER_TILE=pages_per_tile,
+        PAGES_PER_TILE=plan.pages_per_tile,
+        SC=max(1, min(next_pow2(plan.splits), 4096 // (g2 * head_pad(d)))),
         UPCAST=dot_upcast(dtype),
         DIRECT=direct,
         SINKS=sinks is not None,
         FP8=fp8,
         **launch_options(dtype),
     )
-    if not direct:
-        merge_splits(o_part, lse_part, out, seq_lens, splits, group, d, sinks)
     return out

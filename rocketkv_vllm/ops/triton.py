@@ -1,28 +1,45 @@
 """RocketKV's steps with the Triton kernels (``rocketkv_vllm.kernels``).
 
 Same layout and semantics as the PyTorch steps (``ops.pytorch``; oracle
-``tests/reference/paged``), free of host synchronisation in decode. The KV cache is passed
-as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs, d] (all four
-strides arbitrary, so K may be stored transposed per head block as in
-CPU_ATTN; ``layout.split_kv`` makes them from a vLLM cache), the KT cache as
-``kt_cache`` (``layout.kt_cache_view``):
+``tests/reference/paged``), free of host synchronisation in decode. The KV
+cache is passed as two views ``k_cache``, ``v_cache`` [num_blocks, Hkv, bs,
+d] (all four strides arbitrary, so K may be stored transposed per head block
+as in CPU_ATTN; ``layout.split_kv`` makes them from a vLLM cache), the KT
+cache as ``kt_cache`` (``layout.kt_cache_view``):
 
 * Stage 1's steps for one prompt (called by ``backend.stages.Stage1``, the
   same signatures as ``ops.pytorch``'s): ``window_scores`` (2 Triton passes
   + a few torch ops merging partial softmax statistics),
   ``compact_kept_tokens`` (1 launch), ``write_kt_pages`` (1 launch per
   region). They happen not to synchronise with the host either.
-* ``hsa_decode`` -- Stage 2, one decode token per row, all rows at once.
-  Launch sequence (everything on the current stream, grids from Python ints):
-    1. ``kt_update``            Triton, grid (B, Hkv)        [skipped if update_kt=False]
-    2. ``_page_logits_kernel``  Triton, grid (B*Hkv, S1)     (+ 3 torch.empty scratch allocs)
-    3. ``_page_probs_kernel``   Triton, grid (B*Hkv, S1)
-    4. ``_select_pages_kernel`` Triton, grid (B*Hkv)         (+ 1 alloc)
+* ``hsa_decode`` -- Stage 2, one decode token per row, all rows at once,
+  built for latency: three launches, nothing else on the stream (with a
+  ``DecodeWorkspace`` and a given ``out``: no allocation, no torch op).
+  Launch sequence (grids from Python ints: ``plan_decode``):
+    1. ``_score_kernel``         grid (B*Hkv, S1)  KT update of the newest
+       page fused in (the split holding the row's last page refreshes it
+       before scoring it), page logits + per-split softmax partials
+    2. ``_select_kernel``        grid (B*Hkv, S1)  probabilities on the fly
+       from the merged partials, local top-n per split, the row's last
+       split merges the candidates (atomic counter) -> selected pages
        [f = 1 with force_current_page: the current page is an extra page,
         selected on top of min(max_select, max_pages)]
-    5. ``_sparse_decode_kernel`` Triton, grid (B*Hkv, S2)    (+ 2 scratch allocs if S2 > 1)
-    6. ``_merge_splits_kernel`` Triton, grid (B*Hq)          [only if S2 > 1]
-  S1, S2: split counts from B, Hkv, max_pages / max_select and the SM count.
+    3. ``_sparse_decode_kernel`` grid (B*Hkv, S2)  attention over the
+       selected pages, split over pages; the row's last split merges the
+       partials into ``out`` (atomic counter), sinks there
+  S1 ~ 4 programs per SM over the B*Hkv rows (capped by max_pages' 16-page
+  tiles), S2 ~ 4 per SM too (each split >= 8 tokens of a full selection):
+  at batch 1 (8 KV heads) both fill a 132-SM GPU (``decode_launches``
+  reports the grids and the programs with work). Why this shape: the six
+  launches it replaces (KT update, logits, probabilities, selection at one
+  program per (row, head), attention, merge) cost ~70-94 us per layer on
+  an H200 whatever the context: launch latency and serial dependent passes,
+  not bytes. Fusing the KT update into the scoring costs one page of keys
+  in one program; the probabilities need every split's partials, so they
+  start the selection launch (each split merges a few hundred floats), and
+  the selection and the split-K merge ride on the last-arriving program of
+  each row instead of launches of their own. The counters live in the
+  workspace and are reset by that program: CUDA-graph replays find them 0.
   No .item(), no data-dependent shapes: CUDA-graph capturable for fixed
   (B, max_pages, max_select).
 
@@ -32,15 +49,285 @@ torch + triton.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from rocketkv_vllm.kernels import hsa_score, sparse_decode
+from rocketkv_vllm.kernels._utils import cdiv, group_pad, kv_operand, row_vectors
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
-from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages
-from rocketkv_vllm.kernels.kt_update import kt_update
-from rocketkv_vllm.kernels.sparse_decode import sparse_decode
+from rocketkv_vllm.kernels.hsa_score import ScorePlan, ScoreScratch, launch_score, launch_select
+from rocketkv_vllm.kernels.sparse_decode import AttentionPlan, AttentionScratch
 from rocketkv_vllm.kernels.window_scores import window_scores
 
-__all__ = ["compact_kept_tokens", "hsa_decode", "window_scores", "write_kt_pages"]
+__all__ = [
+    "DecodeWorkspace",
+    "compact_kept_tokens",
+    "decode_launches",
+    "hsa_decode",
+    "plan_decode",
+    "window_scores",
+    "write_kt_pages",
+]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a decode layer: its grid, and how many of its
+    programs have work for the rows it was planned for (None: not asked)."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    busy: int | None = None
+
+    @property
+    def programs(self) -> int:
+        n = 1
+        for g in self.grid:
+            n *= g
+        return n
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch shapes of one ``hsa_decode`` call (Python ints only)."""
+
+    score: ScorePlan
+    attention: AttentionPlan
+    num_q_heads: int
+    head_dim: int
+
+    def launches(self, row_pages: int | None = None, n_use: int | None = None) -> list[Launch]:
+        """The launch sequence; with rows of row_pages view pages using
+        n_use selected pages each, the programs that have work."""
+        s, a = self.score, self.attention
+        busy_s = None if row_pages is None else s.busy_programs(row_pages)
+        busy_a = None if n_use is None else a.busy_programs(n_use)
+        return [
+            Launch("_score_kernel", s.grid, busy_s),
+            Launch("_select_kernel", s.grid, busy_s),
+            Launch("_sparse_decode_kernel", a.grid, busy_a),
+        ]
+
+
+def plan_decode(
+    batch: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_pages: int,
+    max_select: int,
+    page_size: int,
+    force_current_page: bool,
+    dtype: torch.dtype,
+    sms: int,
+    attention_sms: int | None = None,
+) -> DecodePlan:
+    """The grids of ``hsa_decode`` for these shapes on a GPU with ``sms``
+    SMs (dtype: what the attention dots run in)."""
+    score = hsa_score.plan_score(
+        batch, num_kv_heads, max_pages, max_select, force_current_page, sms
+    )
+    attention = sparse_decode.plan_attention(
+        batch,
+        num_kv_heads,
+        score.n_sel,
+        page_size,
+        dtype,
+        sms if attention_sms is None else attention_sms,
+    )
+    return DecodePlan(score, attention, int(num_q_heads), int(head_dim))
+
+
+def decode_launches(
+    batch: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    context: int,
+    page_size: int,
+    topk: int,
+    num_sms: int,
+    *,
+    head_dim: int = 128,
+    prompt_budget: int | None = None,
+    generated: int = 0,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    force_current_page: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Launch]:
+    """Each launch of one decode layer (grid and programs with work) for
+    ``batch`` rows of a ``context``-token prompt plus ``generated`` tokens,
+    at the FULL CUDA graph's launch shape (``backend.graphs.shape_for``:
+    max_pages = max_model_len / page_size + 1, max_select = topk /
+    page_size; max_model_len defaults to context + generated). The rows'
+    views: with ``prompt_budget`` below the context, the compressed view
+    (prompt_budget tokens, the tail from the block-aligned tail_start, as
+    ``plan.plan_request`` lays it out), else the whole context."""
+    seq = context + generated
+    mml = seq if max_model_len is None else int(max_model_len)
+    max_pages = cdiv(mml, page_size) + 1
+    n_select = max(topk // page_size, 1)
+    max_select = min(n_select, max_pages)
+    if prompt_budget is not None and context > prompt_budget:
+        tail_start = context // block_size * block_size
+        num_compact = prompt_budget - (context - tail_start)
+        row_pages = cdiv(num_compact, page_size) + cdiv(seq - tail_start, page_size)
+    else:
+        row_pages = cdiv(seq, page_size)
+    f = 1 if force_current_page else 0
+    plan = plan_decode(
+        batch,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        max_pages,
+        max_select,
+        page_size,
+        force_current_page,
+        dtype,
+        num_sms,
+    )
+    return plan.launches(row_pages, min(n_select + f, row_pages, plan.score.n_sel))
+
+
+class DecodeWorkspace:
+    """Stage 2's scratch, allocated once (the metadata builder makes one for
+    the largest decode batch) and shared by every layer and step: page
+    logits, split partials, candidates, selected pages, attention partials
+    and the zeroed per-(row, head) counters of the last-arriving merges
+    (each launch leaves them 0). Serves any ``hsa_decode`` call with batch
+    <= rows, max_pages <= max_pages, max_select <= max_select and the given
+    head counts / size on a GPU with at most ``sms`` SMs; ``fits`` says.
+    One stream at a time: launches on two streams must not share one."""
+
+    def __init__(
+        self,
+        device,
+        rows: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_pages: int,
+        max_select: int,
+        force_current_page: bool = False,
+        sms: int | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if sms is None:
+            sms = max(hsa_score.num_sms(device), sparse_decode.num_sms(device))
+        self.device = device
+        self.rows, self.sms = max(1, int(rows)), int(sms)
+        self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        self.max_pages = max(1, int(max_pages))
+        self.max_select = int(max_select)
+        self.force = bool(force_current_page)
+        rows_h = self.rows * self.num_kv_heads
+        # Split counts never exceed PROGRAMS_PER_SM * sms / (B*Hkv) rounded
+        # up: B*Hkv*splits < PROGRAMS_PER_SM * sms + B*Hkv.
+        programs = max(hsa_score.PROGRAMS_PER_SM, sparse_decode.PROGRAMS_PER_SM) * self.sms
+        programs += rows_h
+        group = self.num_q_heads // self.num_kv_heads
+        n_sel = max(1, min(self.max_select + 1, self.max_pages))  # forced page or not
+        widest = hsa_score.plan_score(
+            self.rows, self.num_kv_heads, self.max_pages, self.max_select, True, self.sms
+        )
+        self.caps = dict(
+            logits=self.rows * self.num_q_heads * self.max_pages,
+            part=programs * group_pad(group),
+            probs=rows_h * self.max_pages if widest.long else 0,
+            o_part=programs * group * self.head_dim,
+            lse_part=programs * group,
+            cand=programs * n_sel,
+            sel=rows_h * n_sel,
+            counters=rows_h,
+        )
+        c = self.caps
+        self._f32_offsets = _offsets(
+            [
+                ("logits", c["logits"]),
+                ("part_m", c["part"]),
+                ("part_l", c["part"]),
+                ("probs", c["probs"]),
+                ("o_part", c["o_part"]),
+                ("lse_part", c["lse_part"]),
+            ]
+        )
+        self._i32_offsets = _offsets(
+            [("cand_bits", c["cand"]), ("cand_pages", c["cand"]), ("sel", c["sel"])]
+        )
+        self.f32 = torch.empty(
+            max(1, self._f32_offsets["_end"]), dtype=torch.float32, device=device
+        )
+        self.i32 = torch.empty(max(1, self._i32_offsets["_end"]), dtype=torch.int32, device=device)
+        self.counters = torch.zeros(max(1, rows_h), dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (self.f32.numel() + self.i32.numel() + self.counters.numel())
+
+    def needs(self, plan: DecodePlan) -> dict[str, int]:
+        s = ScoreScratch.sizes(plan.score, plan.num_q_heads)
+        a = AttentionScratch.sizes(plan.attention, plan.num_q_heads, plan.head_dim)
+        return dict(
+            logits=s["logits"],
+            part=s["part"],
+            probs=s["probs"],
+            o_part=a["o_part"],
+            lse_part=a["lse_part"],
+            cand=s["cand"],
+            sel=s["sel"],
+            counters=max(s["counters"], a["counters"]),
+        )
+
+    def fits(self, plan: DecodePlan) -> bool:
+        return all(n <= self.caps[k] for k, n in self.needs(plan).items())
+
+    def views(self, plan: DecodePlan) -> tuple[ScoreScratch, AttentionScratch]:
+        """The buffers of one call (views: nothing allocated)."""
+        assert self.fits(plan), f"the workspace ({self.caps}) is too small for {self.needs(plan)}"
+        s = plan.score
+        rows_h = s.batch * s.num_kv_heads
+        f, i = self._f32_offsets, self._i32_offsets
+
+        def f32(name, n):
+            return self.f32[f[name] : f[name] + n]
+
+        def i32(name, n):
+            return self.i32[i[name] : i[name] + n]
+
+        need = self.needs(plan)
+        probs = None
+        if need["probs"]:
+            probs = f32("probs", need["probs"]).view(s.batch, s.num_kv_heads, s.max_pages)
+        score = ScoreScratch(
+            logits=f32("logits", max(1, need["logits"])),
+            part_m=f32("part_m", need["part"]),
+            part_l=f32("part_l", need["part"]),
+            probs=probs,
+            cand_bits=i32("cand_bits", need["cand"]),
+            cand_pages=i32("cand_pages", need["cand"]),
+            counters=self.counters[:rows_h],
+            sel=i32("sel", need["sel"]).view(s.batch, s.num_kv_heads, s.n_sel),
+        )
+        attention = AttentionScratch(
+            o_part=f32("o_part", max(1, need["o_part"])),
+            lse_part=f32("lse_part", max(1, need["lse_part"])),
+            counters=self.counters[:rows_h],
+        )
+        return score, attention
+
+
+def _offsets(items) -> dict[str, int]:
+    """Start of each named region in one flat buffer (64-byte aligned);
+    '_end': the total."""
+    out, pos = {}, 0
+    for name, n in items:
+        out[name] = pos
+        pos += cdiv(max(0, int(n)), 16) * 16
+    out["_end"] = pos
+    return out
 
 
 def hsa_decode(
@@ -63,10 +350,12 @@ def hsa_decode(
     update_kt: bool = True,
     select_impl: str = "auto",
     sinks: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+    probs_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row (its K/V already in the cache at
     slot seq_lens[b] - 1): KT update, page scoring, top-n pages, sparse
-    attention. Returns out [B, Hq, d].
+    attention, in three launches. Returns out [B, Hq, d].
 
     query [B, Hq, d] (last dim contiguous; cast to the cache dtype);
     k_cache, v_cache [num_blocks, Hkv, bs, d] views (all strides
@@ -80,15 +369,59 @@ def hsa_decode(
     max_select + 1 entries here). Rows with seq_lens <= 0
     are padding: nothing is written for them (a given ``out`` keeps its
     values there; an allocated one holds 0).
-    select_impl: "auto" / "triton" (the Triton select kernel) or "torch"
-    (torch.topk). sinks: optional [Hq] fp32 sink logits (``algorithm.sinks``),
-    in the sparse attention's softmax only (step 5 with one split, else step
-    6); the page scoring ranks the keys' own mass.
+    select_impl: "auto" / "triton" (the selection kernel) or "torch"
+    (torch.topk on the probabilities: more launches, for checking).
+    sinks: optional [Hq] fp32 sink logits (``algorithm.sinks``), in the
+    sparse attention's softmax only; the page scoring ranks the keys' own
+    mass. workspace: the scratch to use (``DecodeWorkspace``; else
+    allocated for this call). probs_out: a [B, Hkv, max_pages] fp32 tensor
+    that receives the page probabilities (each row's own pages only).
     """
-    if update_kt:
-        kt_update(k_cache, kt_cache, block_table, seq_lens, page_size)
-    probs = hsa_page_probs(
-        query,
+    k_view, fp8, _ = kv_operand(k_cache)
+    v_view, _, _ = kv_operand(v_cache)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    scores_q = query  # the scoring reads the query as given (fp32 inside)
+    query, out, sinks, hkv, _, d, group = sparse_decode._prepare(
+        query, k_view, v_view, out, sinks, fp8
+    )
+    batch, hq, _ = query.shape
+    if batch == 0:
+        return out
+    num_compact, tail_start, seq_lens, topk, topr = row_vectors(
+        num_compact, tail_start, seq_lens, topk, topr
+    )
+    dev = query.device
+    plan = plan_decode(
+        batch,
+        hq,
+        hkv,
+        d,
+        max_pages,
+        max_select,
+        page_size,
+        force_current_page,
+        query.dtype,
+        hsa_score.num_sms(dev),
+        sparse_decode.num_sms(dev),
+    )
+    if workspace is not None and workspace.fits(plan):
+        score_scratch, attn_scratch = workspace.views(plan)
+    else:
+        score_scratch = ScoreScratch.alloc(plan.score, hq, dev)
+        attn_scratch = AttentionScratch.alloc(plan.attention, hq, d, dev)
+    torch_select = select_impl == "torch"
+    if probs_out is not None:
+        assert probs_out.shape == (batch, hkv, plan.score.max_pages) and probs_out.is_contiguous()
+        score_scratch.probs = probs_out
+    elif torch_select and score_scratch.probs is None:
+        score_scratch.probs = torch.empty(
+            batch, hkv, plan.score.max_pages, device=dev, dtype=torch.float32
+        )
+    launch_score(
+        plan.score,
+        score_scratch,
+        scores_q,
         kt_cache,
         block_table,
         num_compact,
@@ -96,21 +429,36 @@ def hsa_decode(
         seq_lens,
         topr,
         page_size,
-        max_pages,
-        force_current_page,
+        k_cache=k_cache if update_kt else None,
     )
-    sel = select_pages(
-        probs,
-        max_select,
+    launch_select(
+        plan.score,
+        score_scratch,
+        hq,
         num_compact,
         tail_start,
         seq_lens,
         topk,
         page_size,
-        select_impl,
         force_current_page,
+        select=not torch_select,
+        write_probs=probs_out is not None or torch_select,
     )
-    return sparse_decode(
+    if torch_select:
+        sel = hsa_score.select_pages(
+            score_scratch.probs,
+            max_select,
+            num_compact,
+            tail_start,
+            seq_lens,
+            topk,
+            page_size,
+            "torch",
+            force_current_page,
+        )
+    else:
+        sel = score_scratch.sel
+    return sparse_decode.sparse_decode(
         query,
         k_cache,
         v_cache,
@@ -125,4 +473,6 @@ def hsa_decode(
         out=out,
         extra_pages=1 if force_current_page else 0,
         sinks=sinks,
+        scratch=attn_scratch,
+        plan=plan.attention,
     )
