@@ -19,6 +19,15 @@ each (greedy, ignore EOS), prefix caching off for all. Per method:
     python scripts/bench_e2e.py --model /models/Llama-3.1-8B-Instruct \\
         --prompt-tokens 32000 --new-tokens 4096 --methods dense,preset=trtllm
 
+At real scale without carrying weights: ``--model-config llama-3.1-8b`` (a
+config.json in ``rocketkv_eval/model_configs/``, or a path to one) starts that
+architecture with vLLM's ``load_format="dummy"`` (random weights, no
+tokenizer: the prompts are random token ids of exactly L tokens). Speed only:
+the tokens mean nothing, and each request generates exactly T of them.
+
+    python scripts/bench_e2e.py --model-config llama-3.1-8b --prompts 8 \
+        --prompt-tokens 32000 --new-tokens 256 --methods dense,preset=trtllm
+
 A method is `dense` or a comma-free ROCKETKV setting list joined by `+`
 (`token_budget=256`, `preset=trtllm`, `prompt_budget=1024+topk=128`).
 Each ROCKETKV row is compared with the dense run before it, so a repeated
@@ -72,6 +81,39 @@ def dense_backend_name() -> str:
     return "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"
 
 
+MODEL_CONFIGS = os.path.join(os.path.dirname(__file__), "model_configs")
+
+
+def model_config_dir(name_or_path: str) -> str:
+    """A directory holding only the config.json of ``--model-config`` (a name
+    in ``model_configs/`` or a path to a config.json): what vLLM's dummy
+    loader needs to build the architecture with random weights."""
+    import tempfile
+
+    path = name_or_path
+    if not os.path.isfile(path):
+        path = os.path.join(MODEL_CONFIGS, f"{name_or_path}.json")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(MODEL_CONFIGS) if f.endswith(".json"))
+        raise SystemExit(f"--model-config {name_or_path!r}: no such file; known names: {known}")
+    with open(path) as f:
+        config = json.load(f)
+    out = tempfile.mkdtemp(prefix="rocketkv-dummy-model-")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Token ids for dummy weights (no tokenizer): ``count`` prompts of
+    exactly ``length`` ids, away from the special ids at the vocabulary's ends."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    low, high = 1000, max(vocab_size - 1000, 1001)
+    return [torch.randint(low, high, (length,), generator=gen).tolist() for _ in range(count)]
+
+
 def run_method(
     args, model: str, method: str, rocketkv: dict | None, prompts: list[list[int]], progress
 ) -> dict:
@@ -93,6 +135,8 @@ def run_method(
         seed=0,
         kv_cache_dtype=args.kv_cache_dtype,
     )
+    if args.model_config:
+        kw.update(load_format="dummy", skip_tokenizer_init=True)
     if args.kv_cache_gib:
         kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.block_size:
@@ -109,7 +153,12 @@ def run_method(
     sched = engine.engine_core.engine_core.scheduler
     # The worker's counters (in this process: the engine's own config object).
     counters = worker_state(engine.vllm_config).counters
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.new_tokens,
+        ignore_eos=True,
+        detokenize=not args.model_config,
+    )
     for i, toks in enumerate(prompts):
         engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=toks), params)
     peak = 0
@@ -163,6 +212,10 @@ def run_method(
         # Requests decode side by side: their own rates add up.
         "decode_tok_s": round(sum(per_request), 3) if per_request else None,
         "slowest_request_decode_tok_s": round(min(per_request), 3) if per_request else None,
+        # what one user sees: a request's own decode rate, averaged
+        "per_user_decode_tok_s": round(sum(per_request) / len(per_request), 3)
+        if per_request
+        else None,
         "pure_decode_steps_tok_s": round(decode_step_tokens / decode_steps_s, 3)
         if decode_steps_s
         else None,
@@ -188,6 +241,10 @@ def compare_with_dense(rows: list[dict]) -> None:
             r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
             if r["decode_tok_s"] and dense["decode_tok_s"]:
                 r["decode_speedup_vs_dense"] = round(r["decode_tok_s"] / dense["decode_tok_s"], 3)
+            if r["per_user_decode_tok_s"] and dense["per_user_decode_tok_s"]:
+                r["per_user_decode_speedup_vs_dense"] = round(
+                    r["per_user_decode_tok_s"] / dense["per_user_decode_tok_s"], 3
+                )
             r["same_tokens_as_dense"] = sum(a == b for a, b in zip(r["outputs"], dense["outputs"]))
 
 
@@ -205,7 +262,8 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
             "cores": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         },
-        "model": os.path.basename(model.rstrip("/")),
+        "model": args.model_config or os.path.basename(model.rstrip("/")),
+        "weights": "dummy (random, load_format=dummy)" if args.model_config else "real",
         "prompts": len(prompts),
         "prompt_tokens": [len(p) for p in prompts],
         "new_tokens": args.new_tokens,
@@ -214,6 +272,8 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
         "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
     }
     tag = model_tag(args.model)  # a second prepared model writes its own file
+    if args.model_config:
+        tag = os.path.basename(args.model_config).removesuffix(".json") + "-dummy"
     name = f"e2e-{platform_name()}-{tag}" if tag else f"e2e-{platform_name()}"
     path = args.out or os.path.join("results", f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -226,6 +286,12 @@ def main(argv=None) -> int:
     os.environ.setdefault("ROCKETKV_TIMING", "1")  # Stage 1 share of prefill
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help=MODEL_HELP)
+    ap.add_argument(
+        "--model-config",
+        default=None,
+        help="instead of --model: a config.json (or a name in rocketkv_eval/model_configs: "
+        "llama-3.1-8b) run with random weights (vLLM's load_format=dummy), for speed only",
+    )
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -277,12 +343,20 @@ def main(argv=None) -> int:
     from rocketkv_eval.model import resolve_model
     from rocketkv_eval.needle import build_needle_prompt
 
-    model = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [
-        build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
-        for i in range(args.prompts)
-    ]
+    if args.model_config:
+        if args.model:
+            raise SystemExit("give --model or --model-config, not both")
+        model = model_config_dir(args.model_config)
+        with open(os.path.join(model, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        prompts = random_prompts(vocab_size, args.prompts, args.prompt_tokens)
+    else:
+        model = resolve_model(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        prompts = [
+            build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
+            for i in range(args.prompts)
+        ]
     methods = [parse_method(m) for m in args.methods.split(",")]
     rows = []
     with tqdm(total=1, unit="tok", file=sys.stderr) as progress:
@@ -297,7 +371,7 @@ def main(argv=None) -> int:
     )
     print(
         f"{'method':28} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
-        f"{'x dense':>7} {'stage1 %':>8} {'peak':>4}  blocks/request"
+        f"{'x dense':>7} {'per user':>9} {'x dense':>7} {'stage1 %':>8} {'peak':>4}  blocks/request"
     )
     for r in rows:
         share = r["stage1_share_of_prefill"]
@@ -305,6 +379,8 @@ def main(argv=None) -> int:
             f"{r['method']:28} {r['prefill_s']:>9.2f} "
             f"{r.get('prefill_vs_dense', 1.0):>7.2f} {r['decode_tok_s'] or 0:>12.2f} "
             f"{r.get('decode_speedup_vs_dense', 1.0):>7.2f} "
+            f"{r['per_user_decode_tok_s'] or 0:>9.2f} "
+            f"{r.get('per_user_decode_speedup_vs_dense', 1.0):>7.2f} "
             f"{'-' if share is None else f'{100 * share:.1f}':>8} "
             f"{r['peak_decoding']:>4}  {r['blocks_per_request_after_prefill']}"
         )
