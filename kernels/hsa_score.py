@@ -469,6 +469,7 @@ def _select_kernel(
     LONG: tl.constexpr,
     CAND_PAD: tl.constexpr,
     MERGE_BLOCK: tl.constexpr,
+    MERGE_SMALL: tl.constexpr,
     FORCE: tl.constexpr,
     FROM_PROBS: tl.constexpr,
     WRITE_PROBS: tl.constexpr,
@@ -515,7 +516,10 @@ def _select_kernel(
         else:  # every page of the split is a candidate
             thr = n_loc * 0
             room = size
-        crow = (bh * num_splits + split).to(tl.int64) * cand
+        # candidate slots of a split: min(cand, chunk), so that the row's
+        # candidates are dense for the merge whatever max_pages is
+        stride = tl.minimum(cand, chunk)
+        crow = bh.to(tl.int64) * num_splits * cand + split * stride
         base, eq_seen = _pack(
             bits0, j0, thr, room, thr * 0, thr * 0, cpage_ptr + crow, cbits_ptr + crow, True
         )
@@ -535,7 +539,9 @@ def _select_kernel(
                 )
         k = tl.arange(0, CAND_PAD)
         tl.store(
-            cbits_ptr + crow + k, tl.full([CAND_PAD], -1, tl.int32), mask=(k >= n_loc) & (k < cand)
+            cbits_ptr + crow + k,
+            tl.full([CAND_PAD], -1, tl.int32),
+            mask=(k >= n_loc) & (k < stride),
         )
         # The row's last split to get here merges (all splits' candidates
         # are written: barrier, then a release / acquire counter).
@@ -543,16 +549,22 @@ def _select_kernel(
         done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
         if done == num_splits - 1:
             tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch / replay
-            busy = (row_pages + chunk - 1) // chunk
+            total = (row_pages + chunk - 1) // chunk * stride
             mrow = bh.to(tl.int64) * num_splits * cand
-            _merge_candidates(
-                cbits_ptr + mrow,
-                cpage_ptr + mrow,
-                busy * cand,
-                n_use,
-                sel_ptr + bh.to(tl.int64) * num_sel,
-                MERGE_BLOCK,
-            )
+            srow = sel_ptr + bh.to(tl.int64) * num_sel
+            if MERGE_BLOCK > MERGE_SMALL:
+                if total <= MERGE_SMALL:  # the usual compressed view
+                    _merge_candidates(
+                        cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_SMALL
+                    )
+                else:
+                    _merge_candidates(
+                        cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
+                    )
+            else:
+                _merge_candidates(
+                    cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
+                )
 
 
 # ---------------------------------------------------------------------------
@@ -564,8 +576,10 @@ BLOCK_PAGES = 16
 # Pages a selection program holds in registers; a split with more pages
 # writes the rest of its probabilities out and reads them back per step.
 SELECT_SUB_PAGES = 1024
-# Candidates the merge holds in registers (more: read back per step).
+# Candidates the merge holds in registers (more: read back per step), and
+# the smaller block it uses when a row's candidates fit (a compressed view).
 MERGE_BLOCK_MAX = 4096
+MERGE_SMALL_BLOCK = 1024
 # Programs per SM the scoring grid aims at.
 PROGRAMS_PER_SM = 4
 
@@ -826,6 +840,7 @@ def launch_select(
         LONG=plan.long,
         CAND_PAD=max(2, next_pow2(plan.cand)),
         MERGE_BLOCK=plan.merge_block,
+        MERGE_SMALL=min(plan.merge_block, MERGE_SMALL_BLOCK),
         FORCE=bool(force_current_page) and not from_probs,
         FROM_PROBS=from_probs,
         WRITE_PROBS=write_probs,

@@ -190,7 +190,7 @@ def _workspace(q, hkv, max_pages, max_select, force, rows=None):
 @pytest.mark.parametrize(
     "ps,dtype,force,kt_dtype,kv,sinks,n_sms",
     [
-        (4, tk.BF16, False, tk.AUTO, "auto", False, H200_SMS),
+        (4, tk.BF16, False, tk.AUTO, "auto", False, 16),
         (2, tk.F32, True, tk.FP8, "auto", True, 64),
         (4, tk.BF16, True, tk.AUTO, "fp8_e4m3", False, 2),
     ],
@@ -237,7 +237,7 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
 def test_reported_grids_are_the_launched_ones():
     hkv, g, d, bs, ps = 2, 4, 64, 16, 4
     c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, tk.BF16)
-    for n_sms in (2, 64, H200_SMS):
+    for n_sms in (2, 16):
         with sms(n_sms), recording() as rec:
             triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, max_pages, max_select, False)
         plan = triton_ops.plan_decode(
@@ -319,10 +319,10 @@ def test_decode_grids_fill_132_sms_at_batch_1(context):
 @pytest.mark.parametrize(
     "hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,n_sms,sinks",
     [
-        (2, 4, 64, 16, 4, tk.BF16, False, "token", tk.AUTO, H200_SMS, False),
+        (2, 4, 64, 16, 4, tk.BF16, False, "token", tk.AUTO, 32, False),
         (1, 3, 64, 16, 2, tk.F32, True, "cpu_vec", tk.FP8, 64, True),
         (2, 2, 32, 16, 4, tk.F16, True, "head_rows", tk.AUTO, 40, False),
-        (2, 4, 128, 32, 8, tk.BF16, False, "split", tk.FP8, H200_SMS, True),
+        (2, 4, 128, 32, 8, tk.BF16, False, "split", tk.FP8, 24, True),
     ],
 )
 def test_hsa_decode_with_many_splits_matches_the_oracle(
