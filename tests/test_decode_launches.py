@@ -424,3 +424,59 @@ def test_probabilities_out_of_the_fused_selection():
         hsa_score.hsa_page_probs(q, c.kt, table, nc, ts, seq, topr, ps, max_pages, True, out=want)
     assert bool((probs != 7.0).any())
     assert torch.equal(probs, want)
+
+
+# --------------------------------------------------------------------------
+# The backend: the builder's workspace, one decode step of a FULL-graph layout
+
+
+def test_the_builder_workspace_serves_every_step_without_allocation(model_path):
+    """The metadata builder makes one workspace (at the first Stage 2 step)
+    and hands the same one to the capture and to every later step; the
+    engine's Stage 2 call on a FULL-graph step then starts three kernels,
+    no torch op and no allocation, leaves the counters at 0 and gives what
+    a call with its own scratch gives."""
+    import test_builder as tb
+
+    from rocketkv_vllm.backend import stages
+
+    b = tb._make_builder(
+        model_path,
+        {"token_budget": 256, "kernel": "triton"},
+        4096,
+        testing={"force_graph_layout": True},
+    )
+    assert isinstance(b.stage2, stages.TritonStage2)
+    table = torch.zeros(4, 512, dtype=torch.int32)
+    capture = b.build(0, tb._cm(b, [(5, 1, 0)] * 4, table, runner="dummy"))
+    ws = capture.decode.workspace
+    assert isinstance(ws, triton_ops.DecodeWorkspace)
+    gen = torch.Generator().manual_seed(3)
+    kv, _, _, _ = tb._compressed_requests(b.settings, {0: 1800, 2: 700}, table, gen)
+    tb._v2_new_requests(b, [(4, 1800), (9, 90), (6, 700)])
+    cm = tb._cm(
+        b, [(1800, 1, 1800), (90, 1, 90), (700, 1, 700), (0, 1, 0)], table, req_idx=[4, 9, 6]
+    )
+    cm.seq_lens[3] = 0
+    cm.seq_lens_cpu_upper_bound[3] = 0
+    step = b.build(0, cm)
+    assert step.decode.in_place and step.decode.workspace is ws  # made once
+    query = torch.randn(4, tb.HKV * tb.G, tb.D, generator=gen)
+    out = torch.full_like(query, 7.0)
+    kv_before = kv.clone()
+    with recording() as rec, no_allocation(rec):
+        b.stage2.decode(query, kv, step.decode, tb.D**-0.5, out=out)
+    assert [n for n, _ in rec.launches] == [
+        "_score_kernel",
+        "_select_kernel",
+        "_sparse_decode_kernel",
+    ]
+    assert rec.kernel_ops() == [], rec.kernel_ops()
+    assert bool((ws.counters == 0).all())
+    own = torch.full_like(query, 7.0)
+    kv.copy_(kv_before)  # the KT update again
+    rows = step.decode
+    rows.workspace = None
+    b.stage2.decode(query, kv, rows, tb.D**-0.5, out=own)
+    assert torch.equal(out, own)
+    assert bool((out[1] == 7.0).all()) and bool((out[3] == 7.0).all())

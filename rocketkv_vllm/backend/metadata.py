@@ -34,7 +34,13 @@ from vllm.v1.attention.backend import (
 
 from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.backend.native import native_for_config, native_for_layers
-from rocketkv_vllm.backend.stages import HsaRows, stage2_for, uses_triton
+from rocketkv_vllm.backend.stages import (
+    SCRATCH_BYTES,
+    HsaRows,
+    scratch_bytes_per_row,
+    stage2_for,
+    uses_triton,
+)
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
 from rocketkv_vllm.state import PromptLengths, worker_state
@@ -143,6 +149,10 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self._graph_ready = False
         self.graph: graphs.DecodeGraphShape | None = None
         self.graph_buffers: graphs.GraphBuffers | None = None
+        # Stage 2's scratch, made once at the first Stage 2 step (after the
+        # graph decision) and handed to every step: no per-step allocation
+        self._workspace_ready = False
+        self.workspace = None
 
     # -- the step -----------------------------------------------------------
 
@@ -350,9 +360,43 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             num_select=c["num_select"],
             max_pages=max_pages,
             max_select=max_select,
+            workspace=self._workspace(),
         )
         self.stage2.prepare(hsa)
         return hsa
+
+    def _workspace(self):
+        """Stage 2's workspace (``Stage2.make_workspace``), made at the
+        first Stage 2 step for the FULL graph's launch shape and for the
+        eager steps' (their row chunks of ``SCRATCH_BYTES``, pages and
+        selection rounded to powers of two as ``_hsa_rows`` rounds them)."""
+        if self._workspace_ready:
+            return self.workspace
+        self._workspace_ready = True
+        spec, config = self.kv_cache_spec, self.vllm_config
+        num_q_heads = config.model_config.get_num_attention_heads(config.parallel_config)
+        s = self.settings
+        # the engine's largest view and selection (a request's own budget may
+        # select more: such a step allocates its scratch)
+        widest = graphs.shape_for(s, config.model_config.max_model_len, 1)
+        max_pages, max_select = widest.max_pages, widest.max_select
+        if self.stage2.pow2_shapes:
+            max_pages, max_select = pow2_at_least(max_pages), pow2_at_least(max_select)
+        per_row = scratch_bytes_per_row(num_q_heads, spec.num_kv_heads, max_pages)
+        rows = min(config.scheduler_config.max_num_seqs, max(1, SCRATCH_BYTES // per_row))
+        shapes = [(rows, max_pages, max_select)]
+        if self.graph is not None:
+            g = self.graph
+            shapes.insert(0, (g.rows, g.max_pages, g.max_select))
+        self.workspace = self.stage2.make_workspace(
+            self.device, num_q_heads, spec.num_kv_heads, spec.head_size, shapes
+        )
+        if self.workspace is not None:
+            logger.info_once(
+                "ROCKETKV: Stage 2 workspace of %.1f MiB (no allocation per step).",
+                self.workspace.nbytes / 2**20,
+            )
+        return self.workspace
 
     # -- FULL CUDA graph layout ----------------------------------------------
 
@@ -427,5 +471,6 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             max_pages=g.max_pages,
             max_select=g.max_select,
             in_place=True,
+            workspace=self._workspace(),
         )
         return md

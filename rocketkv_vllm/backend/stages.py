@@ -128,6 +128,9 @@ class HsaRows:
     # the output (those rows keep the native backend's)
     in_place: bool = False
     prepared: Any = None  # what the implementation derived once per step
+    # Stage 2's preallocated scratch (``Stage2.make_workspace``: the builder
+    # makes one and hands it to every step; None: the call allocates)
+    workspace: Any = None
 
 
 class Stage2:
@@ -155,6 +158,20 @@ class Stage2:
     ) -> None:
         """During vLLM's memory profiling: take the scratch a step may need."""
 
+    def make_workspace(
+        self,
+        device: torch.device,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        shapes: list[tuple[int, int, int]],
+    ) -> Any:
+        """Once per engine, in the builder: the scratch every step's
+        ``decode`` reuses (``HsaRows.workspace``), for launches up to each
+        (rows, max_pages, max_select) of ``shapes``; None where the
+        implementation needs none."""
+        return None
+
     def decode(
         self,
         query: torch.Tensor,
@@ -178,8 +195,9 @@ class Stage2:
 # Scratch (page logits and probabilities, fp32) an eager Stage 2 call may
 # take at once; larger batches run in row chunks. vLLM's memory profiling
 # sees it: ROCKETKV takes it during the profiling run (``reserve_scratch``).
-# FULL-graph steps keep theirs in the graph's memory pool, which vLLM
-# measures when it captures.
+# The builder's workspace (``make_workspace``) holds this much for eager
+# steps, or what the FULL graph's shape needs (made during the capture
+# warm-up runs, as the graph-pool scratch was before).
 SCRATCH_BYTES = 256 << 20
 
 
@@ -199,6 +217,8 @@ class TritonStage2(Stage2):
             return self._decode(query, kv_cache, rows, scale, out, sinks, quant)
         per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
         chunk = max(1, SCRATCH_BYTES // per_row)
+        if rows.workspace is not None:  # chunks the workspace serves
+            chunk = min(chunk, rows.workspace.rows)
         batch = query.shape[0]
         if batch <= chunk:
             return self._decode(query, kv_cache, rows, scale, None, sinks, quant)
@@ -239,6 +259,26 @@ class TritonStage2(Stage2):
             s.force_current_page,
             out=out,
             sinks=sinks,
+            workspace=rows.workspace,
+        )
+
+    def make_workspace(self, device, num_q_heads, num_kv_heads, head_dim, shapes):
+        """One ``ops.triton.DecodeWorkspace`` covering every shape (the
+        FULL graph's, the eager steps'): page logits, split partials,
+        candidates, selection, attention partials, merge counters."""
+        from rocketkv_vllm.ops import triton as triton_ops
+
+        (rows, max_pages, max_select), *others = shapes
+        return triton_ops.DecodeWorkspace(
+            device,
+            rows,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            max_pages,
+            max_select,
+            self.settings.force_current_page,
+            also=others,
         )
 
     def reserve_scratch(
@@ -270,6 +310,7 @@ def _row_slice(rows: HsaRows, a: int, b: int) -> HsaRows:
         num_select=rows.num_select[a:b],
         max_pages=rows.max_pages,
         max_select=rows.max_select,
+        workspace=rows.workspace,
     )
 
 

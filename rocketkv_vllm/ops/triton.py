@@ -197,9 +197,11 @@ class DecodeWorkspace:
     logits, split partials, candidates, selected pages, attention partials
     and the zeroed per-(row, head) counters of the last-arriving merges
     (each launch leaves them 0). Serves any ``hsa_decode`` call with batch
-    <= rows, max_pages <= max_pages, max_select <= max_select and the given
-    head counts / size on a GPU with at most ``sms`` SMs; ``fits`` says.
-    One stream at a time: launches on two streams must not share one."""
+    <= rows, max_pages <= max_pages, max_select <= max_select (or within
+    one of the ``also`` shapes, (rows, max_pages, max_select) each) and the
+    given head counts / size on a GPU with at most ``sms`` SMs; ``fits``
+    says (a call it does not fit allocates its own scratch). One stream at
+    a time: launches on two streams must not share one."""
 
     def __init__(
         self,
@@ -212,37 +214,22 @@ class DecodeWorkspace:
         max_select: int,
         force_current_page: bool = False,
         sms: int | None = None,
+        also: tuple | list = (),
     ) -> None:
         device = torch.device(device)
         if sms is None:
             sms = max(hsa_score.num_sms(device), sparse_decode.num_sms(device))
         self.device = device
-        self.rows, self.sms = max(1, int(rows)), int(sms)
+        self.sms = int(sms)
         self.num_q_heads, self.num_kv_heads = int(num_q_heads), int(num_kv_heads)
         self.head_dim = int(head_dim)
-        self.max_pages = max(1, int(max_pages))
-        self.max_select = int(max_select)
         self.force = bool(force_current_page)
-        rows_h = self.rows * self.num_kv_heads
-        # Split counts never exceed PROGRAMS_PER_SM * sms / (B*Hkv) rounded
-        # up: B*Hkv*splits < PROGRAMS_PER_SM * sms + B*Hkv.
-        programs = max(hsa_score.PROGRAMS_PER_SM, sparse_decode.PROGRAMS_PER_SM) * self.sms
-        programs += rows_h
-        group = self.num_q_heads // self.num_kv_heads
-        n_sel = max(1, min(self.max_select + 1, self.max_pages))  # forced page or not
-        widest = hsa_score.plan_score(
-            self.rows, self.num_kv_heads, self.max_pages, self.max_select, True, self.sms
-        )
-        self.caps = dict(
-            logits=self.rows * self.num_q_heads * self.max_pages,
-            part=programs * group_pad(group),
-            probs=rows_h * self.max_pages if widest.long else 0,
-            o_part=programs * group * self.head_dim,
-            lse_part=programs * group,
-            cand=programs * n_sel,
-            sel=rows_h * n_sel,
-            counters=rows_h,
-        )
+        shapes = [(rows, max_pages, max_select), *also]
+        caps = [self._caps(*shape) for shape in shapes]
+        self.caps = {k: max(c[k] for c in caps) for k in caps[0]}
+        self.rows = max(max(1, int(s[0])) for s in shapes)
+        self.max_pages = max(max(1, int(s[1])) for s in shapes)
+        self.max_select = max(int(s[2]) for s in shapes)
         c = self.caps
         self._f32_offsets = _offsets(
             [
@@ -261,7 +248,31 @@ class DecodeWorkspace:
             max(1, self._f32_offsets["_end"]), dtype=torch.float32, device=device
         )
         self.i32 = torch.empty(max(1, self._i32_offsets["_end"]), dtype=torch.int32, device=device)
-        self.counters = torch.zeros(max(1, rows_h), dtype=torch.int32, device=device)
+        self.counters = torch.zeros(max(1, c["counters"]), dtype=torch.int32, device=device)
+
+    def _caps(self, rows: int, max_pages: int, max_select: int) -> dict[str, int]:
+        """Elements per buffer for any call up to (rows, max_pages, max_select)."""
+        rows, max_pages = max(1, int(rows)), max(1, int(max_pages))
+        rows_h = rows * self.num_kv_heads
+        # Split counts never exceed PROGRAMS_PER_SM * sms / (B*Hkv) rounded
+        # up: B*Hkv*splits < PROGRAMS_PER_SM * sms + B*Hkv.
+        programs = max(hsa_score.PROGRAMS_PER_SM, sparse_decode.PROGRAMS_PER_SM) * self.sms
+        programs += rows_h
+        group = self.num_q_heads // self.num_kv_heads
+        n_sel = max(1, min(int(max_select) + 1, max_pages))  # forced page or not
+        widest = hsa_score.plan_score(
+            rows, self.num_kv_heads, max_pages, max_select, True, self.sms
+        )
+        return dict(
+            logits=rows * self.num_q_heads * max_pages,
+            part=programs * group_pad(group),
+            probs=rows_h * max_pages if widest.long else 0,
+            o_part=programs * group * self.head_dim,
+            lse_part=programs * group,
+            cand=programs * n_sel,
+            sel=rows_h * n_sel,
+            counters=rows_h,
+        )
 
     @property
     def nbytes(self) -> int:
