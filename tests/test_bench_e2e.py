@@ -59,10 +59,8 @@ def test_dummy_weights_engines_run_dense_and_rocketkv(tmp_path):
         [
             "--model-config",
             str(cfg_path),
-            "--prompts",
-            "2",
-            "--prompt-tokens",
-            "700",
+            "--workloads",
+            "700x2,520x1",
             "--new-tokens",
             "8",
             "--dtype",
@@ -77,11 +75,24 @@ def test_dummy_weights_engines_run_dense_and_rocketkv(tmp_path):
     )
     assert rc == 0
     report = json.loads(out.read_text())
-    assert report["weights"].startswith("dummy") and report["prompt_tokens"] == [700, 700]
-    dense, ours = report["rows"]
-    assert dense["backend"] != "ROCKETKV" and ours["backend"] == "ROCKETKV"
-    assert ours["prompts_compressed"] == 2  # 700 tokens at budget 128: both compressed
-    for row in (dense, ours):
+    assert report["weights"].startswith("dummy")
+    assert report["workloads"] == [
+        {"prompts": 2, "prompt_tokens": 700},
+        {"prompts": 1, "prompt_tokens": 520},
+    ]
+    # one engine per method, each workload a row: dense 700x2, 520x1, then ROCKETKV's
+    rows = report["rows"]
+    assert [(r["backend"] == "ROCKETKV", r["prompts"], r["prompt_tokens"]) for r in rows] == [
+        (False, 2, 700),
+        (False, 1, 520),
+        (True, 2, 700),
+        (True, 1, 520),
+    ]
+    # at budget 128 every prompt is compressed, counted per workload
+    assert [r["prompts_compressed"] for r in rows[2:]] == [2, 1]
+    for row in rows:
         assert row["per_user_decode_tok_s"] > 0
-        assert len(row["blocks_per_request_after_prefill"]) == 2
-    assert ours["per_user_decode_speedup_vs_dense"] > 0
+        assert len(row["blocks_per_request_after_prefill"]) == row["prompts"]
+    for ours in rows[2:]:  # each compared with the dense row of its own workload
+        assert ours["per_user_decode_speedup_vs_dense"] > 0
+        assert ours["prefill_vs_dense"] > 0

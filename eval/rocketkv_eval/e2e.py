@@ -115,10 +115,16 @@ def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> l
 
 
 def run_method(
-    args, model: str, method: str, rocketkv: dict | None, prompts: list[list[int]], progress
-) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    args,
+    model: str,
+    method: str,
+    rocketkv: dict | None,
+    workloads: list[list[list[int]]],
+    progress,
+) -> list[dict]:
+    """One engine for ``method``; each workload (a list of prompts) runs on it
+    in turn, all its requests added at once. One row per workload."""
+    from vllm import LLM
 
     from rocketkv_vllm.state import worker_state
 
@@ -129,7 +135,7 @@ def run_method(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
-        max_num_seqs=max(len(prompts), 1),
+        max_num_seqs=max(max(len(w) for w in workloads), 1),
         disable_log_stats=False,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=0,
@@ -150,21 +156,52 @@ def run_method(
     with in_process():  # the scheduler and the worker's counters are read here
         llm = LLM(**kw)
     engine = llm.llm_engine
-    sched = engine.engine_core.engine_core.scheduler
     # The worker's counters (in this process: the engine's own config object).
     counters = worker_state(engine.vllm_config).counters
+    rows = []
+    try:
+        for j, prompts in enumerate(workloads):
+            before = counters.as_dict()
+            row = _run_workload(args, engine, f"w{j}", prompts, progress, method)
+            after = counters.as_dict()
+            stage1_s = after["stage1_seconds"] - before["stage1_seconds"]
+            row.update(
+                method=method,
+                backend=backend,
+                rocketkv=rocketkv,
+                stage1_s=round(stage1_s, 3) if rocketkv else None,
+                stage1_share_of_prefill=round(stage1_s / row["prefill_s"], 4)
+                if rocketkv and row["prefill_s"] > 0
+                else None,
+                prompts_compressed=after["prompts_compressed"] - before["prompts_compressed"]
+                if rocketkv
+                else None,
+            )
+            rows.append(row)
+    finally:
+        engine.engine_core.shutdown()
+        del llm
+    return rows
+
+
+def _run_workload(args, engine, tag: str, prompts: list[list[int]], progress, method) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sched = engine.engine_core.engine_core.scheduler
     params = SamplingParams(
         temperature=0.0,
         max_tokens=args.new_tokens,
         ignore_eos=True,
         detokenize=not args.model_config,
     )
-    for i, toks in enumerate(prompts):
-        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=toks), params)
+    ids = [f"{tag}r{i}" for i in range(len(prompts))]
+    for rid, toks in zip(ids, prompts):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), params)
     peak = 0
     blocks: dict[str, int] = {}
     finished = {}
-    progress.set_description(method)
+    progress.set_description(f"{method} {len(prompts)}x{len(prompts[0])}")
     progress.reset(total=len(prompts) * args.new_tokens)
     done_tokens = 0
     decode_steps_s, decode_step_tokens = 0.0, 0
@@ -192,11 +229,8 @@ def run_method(
         )
         progress.update(generated - done_tokens)
         done_tokens = generated
-    counters = counters.as_dict()
-    engine.engine_core.shutdown()
-    del llm
 
-    metrics = [finished[f"r{i}"].metrics for i in range(len(prompts))]
+    metrics = [finished[rid].metrics for rid in ids]
     start = min(m.scheduled_ts for m in metrics)
     prefill_s = max(m.first_token_ts for m in metrics) - start
     per_request = [
@@ -205,9 +239,8 @@ def run_method(
         if m.last_token_ts > m.first_token_ts
     ]
     return {
-        "method": method,
-        "backend": backend,
-        "rocketkv": rocketkv,
+        "prompts": len(prompts),
+        "prompt_tokens": len(prompts[0]),
         "prefill_s": round(prefill_s, 3),
         # Requests decode side by side: their own rates add up.
         "decode_tok_s": round(sum(per_request), 3) if per_request else None,
@@ -219,36 +252,42 @@ def run_method(
         "pure_decode_steps_tok_s": round(decode_step_tokens / decode_steps_s, 3)
         if decode_steps_s
         else None,
-        "stage1_s": round(counters["stage1_seconds"], 3) if rocketkv else None,
-        "stage1_share_of_prefill": round(counters["stage1_seconds"] / prefill_s, 4)
-        if rocketkv and prefill_s > 0
-        else None,
-        "prompts_compressed": counters["prompts_compressed"] if rocketkv else None,
         "peak_decoding": peak,
-        "blocks_per_request_after_prefill": [blocks.get(f"r{i}", -1) for i in range(len(prompts))],
-        "outputs": [list(finished[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))],
+        "blocks_per_request_after_prefill": [blocks.get(rid, -1) for rid in ids],
+        "outputs": [list(finished[rid].outputs[0].token_ids) for rid in ids],
     }
 
 
 def compare_with_dense(rows: list[dict]) -> None:
-    """Each row against the dense run before it (the first one if none is):
-    repeating "dense,X" pairs shows the machine's run-to-run spread."""
-    dense = next((r for r in rows if r["rocketkv"] is None), None)
+    """Each row against the dense run of the same workload before it (the
+    first one if none is): repeating "dense,X" pairs shows the machine's
+    run-to-run spread."""
+
+    def workload(r):
+        return (r["prompts"], r["prompt_tokens"])
+
+    dense: dict = {}
     for r in rows:
         if r["rocketkv"] is None:
-            dense = r
-        elif dense is not None:
-            r["prefill_vs_dense"] = round(r["prefill_s"] / dense["prefill_s"], 3)
-            if r["decode_tok_s"] and dense["decode_tok_s"]:
-                r["decode_speedup_vs_dense"] = round(r["decode_tok_s"] / dense["decode_tok_s"], 3)
-            if r["per_user_decode_tok_s"] and dense["per_user_decode_tok_s"]:
-                r["per_user_decode_speedup_vs_dense"] = round(
-                    r["per_user_decode_tok_s"] / dense["per_user_decode_tok_s"], 3
-                )
-            r["same_tokens_as_dense"] = sum(a == b for a, b in zip(r["outputs"], dense["outputs"]))
+            dense.setdefault(workload(r), r)
+    for r in rows:
+        if r["rocketkv"] is None:
+            dense[workload(r)] = r
+            continue
+        d = dense.get(workload(r))
+        if d is None:
+            continue
+        r["prefill_vs_dense"] = round(r["prefill_s"] / d["prefill_s"], 3)
+        if r["decode_tok_s"] and d["decode_tok_s"]:
+            r["decode_speedup_vs_dense"] = round(r["decode_tok_s"] / d["decode_tok_s"], 3)
+        if r["per_user_decode_tok_s"] and d["per_user_decode_tok_s"]:
+            r["per_user_decode_speedup_vs_dense"] = round(
+                r["per_user_decode_tok_s"] / d["per_user_decode_tok_s"], 3
+            )
+        r["same_tokens_as_dense"] = sum(a == b for a, b in zip(r["outputs"], d["outputs"]))
 
 
-def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
+def write_report(args, argv, model: str, workloads, rows: list[dict]) -> None:
     import torch
 
     report = {
@@ -264,8 +303,7 @@ def write_report(args, argv, model: str, prompts, rows: list[dict]) -> None:
         },
         "model": args.model_config or os.path.basename(model.rstrip("/")),
         "weights": "dummy (random, load_format=dummy)" if args.model_config else "real",
-        "prompts": len(prompts),
-        "prompt_tokens": [len(p) for p in prompts],
+        "workloads": [{"prompts": len(w), "prompt_tokens": len(w[0])} for w in workloads],
         "new_tokens": args.new_tokens,
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -294,6 +332,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        help="instead of --prompts/--prompt-tokens: TOKENSxPROMPTS,... (e.g. "
+        "32000x1,32000x8), run in turn on one engine per method",
+    )
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--methods", default="dense,token_budget=256")
     ap.add_argument("--dtype", default="bfloat16")
@@ -333,8 +377,18 @@ def main(argv=None) -> int:
 
         if not torch.cuda.is_available():
             args.kv_cache_gib = 2.0
+    if args.workloads:
+        try:
+            shapes = [tuple(int(x) for x in w.split("x")) for w in args.workloads.split(",")]
+            assert shapes and all(len(t) == 2 and min(t) > 0 for t in shapes)
+        except (ValueError, AssertionError):
+            raise SystemExit(
+                f"--workloads {args.workloads!r}: expected TOKENSxPROMPTS,... (32000x8)"
+            ) from None
+    else:
+        shapes = [(args.prompt_tokens, args.prompts)]
     if args.max_model_len is None:
-        need = args.prompt_tokens + args.new_tokens + 64
+        need = max(t for t, _ in shapes) + args.new_tokens + 64
         args.max_model_len = -(-need // 1024) * 1024
 
     from tqdm import tqdm
@@ -349,34 +403,32 @@ def main(argv=None) -> int:
         model = model_config_dir(args.model_config)
         with open(os.path.join(model, "config.json")) as f:
             vocab_size = json.load(f)["vocab_size"]
-        prompts = random_prompts(vocab_size, args.prompts, args.prompt_tokens)
+        workloads = [random_prompts(vocab_size, n, t, seed=j) for j, (t, n) in enumerate(shapes)]
     else:
         model = resolve_model(args.model)
         tokenizer = AutoTokenizer.from_pretrained(model)
-        prompts = [
-            build_needle_prompt(tokenizer, args.prompt_tokens, 0.5, seed=i).token_ids
-            for i in range(args.prompts)
+        workloads = [
+            [build_needle_prompt(tokenizer, t, 0.5, seed=1000 * j + i).token_ids for i in range(n)]
+            for j, (t, n) in enumerate(shapes)
         ]
     methods = [parse_method(m) for m in args.methods.split(",")]
     rows = []
     with tqdm(total=1, unit="tok", file=sys.stderr) as progress:
         for name, cfg in methods:
-            rows.append(run_method(args, model, name, cfg, prompts, progress))
+            rows.extend(run_method(args, model, name, cfg, workloads, progress))
             compare_with_dense(rows)
             if args.json or args.out:  # after every method: a later failure loses nothing
-                write_report(args, argv, model, prompts, rows)
+                write_report(args, argv, model, workloads, rows)
+    print(f"{args.new_tokens} new tokens a request, dtype {args.dtype}")
     print(
-        f"{len(prompts)} prompts x {[len(p) for p in prompts]} tokens, "
-        f"{args.new_tokens} new tokens, dtype {args.dtype}"
-    )
-    print(
-        f"{'method':28} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
+        f"{'method':28} {'workload':>12} {'prefill s':>9} {'x dense':>7} {'decode tok/s':>12} "
         f"{'x dense':>7} {'per user':>9} {'x dense':>7} {'stage1 %':>8} {'peak':>4}  blocks/request"
     )
     for r in rows:
         share = r["stage1_share_of_prefill"]
         print(
-            f"{r['method']:28} {r['prefill_s']:>9.2f} "
+            f"{r['method']:28} {str(r['prompt_tokens']) + 'x' + str(r['prompts']):>12} "
+            f"{r['prefill_s']:>9.2f} "
             f"{r.get('prefill_vs_dense', 1.0):>7.2f} {r['decode_tok_s'] or 0:>12.2f} "
             f"{r.get('decode_speedup_vs_dense', 1.0):>7.2f} "
             f"{r['per_user_decode_tok_s'] or 0:>9.2f} "
