@@ -46,25 +46,8 @@ MODEL_DIR=${MODEL_DIR:-/tmp/smollm2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET # the real Triton backend: CUDA
 
-# -- the checkout importable (rocketkv_vllm, rocketkv_eval) and its entry points visible
-EP=$(mktemp -d /tmp/rocketkv-entry-points.XXXXXX) || exit 2
-trap 'rm -rf "$EP"' EXIT
-"$PY" - "$EP" << 'EOF' || { echo "gpu_check: cannot write the entry points"; exit 2; }
-import importlib.metadata as md, os, sys, tomllib
-proj = tomllib.load(open("pyproject.toml", "rb"))["project"]
-name, version = proj["name"], proj["version"]
-d = os.path.join(sys.argv[1], f"{name.replace('-', '_')}-{version}.dist-info")
-os.makedirs(d)
-with open(os.path.join(d, "METADATA"), "w") as f:
-    f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-with open(os.path.join(d, "entry_points.txt"), "w") as f:
-    for group, eps in proj["entry-points"].items():
-        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
-seen = {(e.group, e.name, e.value) for e in md.Distribution.at(d).entry_points}
-want = {(g, k, v) for g, eps in proj["entry-points"].items() for k, v in eps.items()}
-assert seen == want, (seen, want)
-print(f"gpu_check: entry points of {name} {version}: {sorted(seen)}")
-EOF
+# -- the checkout importable (rocketkv_vllm, rocketkv_eval) and its entry points visible: $EP
+. scripts/gpu_entry_points.sh || exit 2
 export PYTHONPATH=$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}
 
 {
