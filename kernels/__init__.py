@@ -8,7 +8,6 @@ One concern per module, each a kernel or two plus its launcher:
                        the K/V store), batched;
 * ``hsa_score``     -- HSA page probabilities and page selection, batched;
 * ``sparse_decode`` -- split-K decode attention over selected pages, batched;
-* ``dense_decode``  -- the dense paged decode baseline;
 * ``kt_fp8``        -- jit helpers that encode / decode fp8 KT rows;
 * ``formats``       -- fp8 format codes and KT row sizes, shared with the
                        package (which imports them from here).

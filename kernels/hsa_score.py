@@ -328,7 +328,7 @@ def _threshold(bits0, row_ptr, n, want, FLOAT: tl.constexpr, BLOCK: tl.constexpr
     count(>= thr) >= want (31 bisection steps on the bits), room how many
     elements equal to thr are taken after all those above it."""
     thr = want * 0  # int32 scalar
-    for k in tl.static_range(31):
+    for k in range(31):
         cand = thr | (1 << (30 - k))
         cnt = tl.sum((bits0 >= cand).to(tl.int32), 0) + _count_rest(
             row_ptr, n, cand, False, FLOAT, BLOCK
@@ -345,9 +345,13 @@ def _pack(bits, payload, thr, room, base, eq_seen, out_ptr, bits_out_ptr, STORE_
     ``room`` (lowest index) equal to it. Returns the new (base, eq_seen)."""
     greater = bits > thr
     equal = bits == thr
-    eq_rank = eq_seen + tl.cumsum(equal.to(tl.int32), 0) - 1
-    take = greater | (equal & (eq_rank < room))
-    pos = base + tl.cumsum(take.to(tl.int32), 0) - 1
+    # one scan for both running counts (BLOCK < 2**16): above thr in the
+    # low half, equal to it in the high half
+    counts = tl.cumsum(greater.to(tl.int32) | (equal.to(tl.int32) << 16), 0)
+    n_eq = eq_seen + (counts >> 16)  # equal ones up to here, this one included
+    take = greater | (equal & (n_eq <= room))
+    # winners before this one: the greater ones, then the ties taken so far
+    pos = base + (counts & 0xFFFF) + tl.minimum(n_eq, room) - tl.minimum(eq_seen, room) - 1
     tl.store(out_ptr + pos, payload, mask=take)
     if STORE_BITS:
         tl.store(bits_out_ptr + pos, bits, mask=take)

@@ -27,20 +27,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "compile_kernels.py"
 TARGETS = {"sm_90", "sm_80"}
-# every kernel the launchers start (the KT update twice: plain and fused)
+# every kernel the launchers start (the KT update twice: plain and fused;
+# Stage 2's three decode kernels; the dense baseline's two, from eval/)
 KERNELS = {
     "_window_stats_kernel",
     "_window_colsum_kernel",
     "_compact_kernel",
     "_kt_pages_kernel",
     "_kt_update_kernel",
-    "_page_logits_kernel",
-    "_page_probs_kernel",
-    "_select_pages_kernel",
+    "_score_kernel",
+    "_select_kernel",
     "_sparse_decode_kernel",
     "_merge_splits_kernel",
     "_dense_decode_kernel",
 }
+# Stage 2's decode launch (ops.triton.hsa_decode) and its kernels, in order
+DECODE = ["_score_kernel", "_select_kernel", "_sparse_decode_kernel"]
 MAX_SMEM = {"sm_90": 232448, "sm_80": 166912}
 
 
@@ -101,11 +103,21 @@ def test_every_kernel_compiles_for_each_target(compiled):
                 if r["target"] == target and r["config"] == config and r["launched"]
             }
             # eager rows (128 of them) fill the GPU without splitting the
-            # attention: no merge there
+            # dense attention: no merge there
             want = KERNELS - ({"_merge_splits_kernel"} if "-eager" in config else set())
             assert got == want, (target, config, sorted(want ^ got))
     fused = {r["launcher"] for r in records if r["kernel"] == "_kt_update_kernel"}
     assert fused == {"kt_update", "write_kv_and_kt"}
+    # the decode layer compiles its three kernels and nothing else
+    for target in TARGETS:
+        for config in doc["configs"]:
+            got = {
+                r["kernel"]
+                for r in records
+                if r["target"] == target and r["config"] == config and r["launcher"] == "hsa_decode"
+            }
+            assert got in (set(), set(DECODE)), (target, config, got)
+    assert any(r["launcher"] == "hsa_decode" for r in records)
 
 
 def test_compiled_artefacts_are_sane(compiled):
@@ -117,6 +129,19 @@ def test_compiled_artefacts_are_sane(compiled):
         assert 0 < r["regs"] <= 255, where
         assert 0 <= r["smem"] <= MAX_SMEM[r["target"]], where
         assert r["blocks_per_sm"] >= 1, where
+
+
+def test_decode_kernels_report_registers_shared_memory_and_spills(compiled):
+    """The report's rows for Stage 2's decode kernels (the summary the
+    issue asks for: registers, shared memory, spills per target)."""
+    _, doc = compiled
+    for target in TARGETS:
+        for kernel in DECODE:
+            key = f"{target} {kernel} 16-bit"
+            assert key in doc["summary"], sorted(doc["summary"])
+            w = doc["summary"][key]
+            assert 0 < w["max_regs"] <= 255 and w["max_smem"] >= 0, (key, w)
+            assert w["max_spill_bytes"] == 0, (key, w)
 
 
 def test_no_register_spills_in_16_bit_configurations(compiled):

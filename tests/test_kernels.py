@@ -41,6 +41,7 @@ except ImportError:  # plain `python tests/test_kernels.py` on a bare GPU host
 
 from reference import paged  # noqa: E402
 
+from rocketkv_eval.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.algorithm import (  # noqa: E402
     pool_scores,
     sparse_attention,
@@ -50,7 +51,6 @@ from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
 from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
-from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
 from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402

@@ -30,13 +30,13 @@ if not torch.cuda.is_available():
 
 from reference import paged  # noqa: E402
 
+from rocketkv_eval.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.algorithm import (  # noqa: E402
     snapkv_keep_positions,
     sparse_attention,
     window_attention_scores,
 )
 from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores  # noqa: E402
-from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
 from rocketkv_vllm.kernels.window_scores import window_scores as triton_window_scores  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402

@@ -298,10 +298,16 @@ def ptxas_version(capability: int) -> str:
 
 def import_kernels():
     """The kernel modules of this checkout (its root first on sys.path;
-    ``rocketkv_vllm/kernels`` is a symlink to ./kernels)."""
+    ``rocketkv_vllm/kernels`` is a symlink to ./kernels), Stage 2's
+    composition (``ops.triton``) and the dense baseline of the benchmarks
+    (``rocketkv_eval.dense_decode``)."""
     sys.path.insert(0, str(ROOT))
-    names = ["window_scores", "compact", "kt_update", "hsa_score", "sparse_decode", "dense_decode"]
-    return {n: importlib.import_module(f"rocketkv_vllm.kernels.{n}") for n in names}
+    sys.path.insert(1, str(ROOT / "eval"))
+    names = ["window_scores", "compact", "kt_update", "hsa_score", "sparse_decode"]
+    mods = {n: importlib.import_module(f"rocketkv_vllm.kernels.{n}") for n in names}
+    mods["dense_decode"] = importlib.import_module("rocketkv_eval.dense_decode")
+    mods["ops"] = importlib.import_module("rocketkv_vllm.ops.triton")
+    return mods
 
 
 def jit_kernels(modules) -> dict[str, object]:
@@ -439,7 +445,7 @@ def launch_config(
     t = Tensors(cfg)
     d, ps, scale = cfg.d, cfg.ps, cfg.d**-0.5
     ws, cp, ku = mods["window_scores"], mods["compact"], mods["kt_update"]
-    hs, sd, dd = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"]
+    hs, sd, dd, ops = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"], mods["ops"]
     graph = cfg.layout == "graph"
     batch = GRAPH_ROWS if graph else EAGER_ROWS
     if graph:  # backend.graphs.shape_for: fixed by max_model_len and the budget
@@ -463,7 +469,21 @@ def launch_config(
     sinks = torch.zeros(HKV * GROUP, dtype=torch.float32)  # gpt-oss attention sinks
     bt, nc, ts, seq = r["block_table"], r["num_compact"], r["tail_start"], r["seq_lens"]
     attend = (q, t.k, t.v, bt, sel, nc, ts, seq, r["topk"], ps, scale)
+    rows = (bt, nc, ts, seq, r["topk"], r["topr"], ps, scale, max_pages, max_select)
+
+    def decode(force, **kw):
+        """Stage 2 as the backend runs it: three launches on a workspace."""
+        ws = ops.DecodeWorkspace(
+            "cpu", batch, HKV * GROUP, HKV, d, max_pages, max_select, force, sms=target.sms
+        )
+        return ops.hsa_decode(q, t.k, t.v, t.kt, *rows, force, out=out, workspace=ws, **kw)
+
     calls = {
+        # Stage 2 (ops.triton.hsa_decode: _score_kernel with the KT update,
+        # _select_kernel, _sparse_decode_kernel with its split merge); the
+        # trtllm preset forces no page, the others do (FORCE constexpr)
+        "hsa_decode": lambda: decode(False),
+        "hsa_decode_sinks": lambda: decode(True, sinks=sinks),
         # Stage 1 (backend.stages.Stage1 with ops.triton)
         "window_scores": lambda: ws.window_scores(q_win, t.k, block_row, PROMPT, scale),
         # sinks join the host's merge of the row statistics: the same kernels
@@ -472,7 +492,7 @@ def launch_config(
         ),
         "compact_kept_tokens": lambda: cp.compact_kept_tokens(t.k, t.v, block_row, kept),
         "write_kt_pages": lambda: cp.write_kt_pages(t.k, t.kt, block_row, 0, KEPT, ps),
-        # Stage 2 (ops.triton.hsa_decode)
+        # Stage 2's pieces on their own (tests, benchmarks)
         "kt_update": lambda: ku.kt_update(t.k, t.kt, bt, seq, ps),
         # the fused store writes caches in the model dtype only
         "write_kv_and_kt": None
@@ -754,9 +774,10 @@ def parse_args(argv):
     p.add_argument(
         "--launchers",
         default=None,
-        help="comma list: only these launchers (window_scores, window_scores_sinks, "
-        "compact_kept_tokens, write_kt_pages, kt_update, write_kv_and_kt, hsa_page_probs, "
-        "select_pages, sparse_decode, sparse_decode_sinks, dense_decode, dense_decode_sinks)",
+        help="comma list: only these launchers (hsa_decode, hsa_decode_sinks, window_scores, "
+        "window_scores_sinks, compact_kept_tokens, write_kt_pages, kt_update, write_kv_and_kt, "
+        "hsa_page_probs, select_pages, sparse_decode, sparse_decode_sinks, dense_decode, "
+        "dense_decode_sinks)",
     )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument(

@@ -1,11 +1,13 @@
-"""Dense paged decode attention (the baseline RocketKV is compared against).
+"""Dense paged decode attention: the baseline RocketKV is compared against
+(``bench_kernels``' ``dense_own``, the eval, the tests); not shipped with the
+kernels (``rocketkv_vllm.kernels``), whose decode path never runs it.
 
 Each query head of decode row b attends to every slot [0, seq_lens[b]) of
-its sequence on the paged cache. Same flash-decoding structure as
-``sparse_decode`` (and the same tile step and merge kernel): grid
-(B*Hkv, S), split s covers a fixed run of BLOCK_N-token tiles of the
-context, K/V of a tile loaded once and shared by the G queries of the KV
-head (two tensor-core dots per tile), then ``_merge_splits_kernel`` when
+its sequence on the paged cache. The flash-decoding structure of
+``kernels.sparse_decode`` (its tile step and loaders): grid (B*Hkv, S),
+split s covers a fixed run of BLOCK_N-token tiles of the context, K/V of a
+tile loaded once and shared by the G queries of the KV head (two
+tensor-core dots per tile), then ``_merge_splits_kernel`` (grid B*Hq) when
 S > 1. The splits are sized from the Python int ``max_seq_len`` (an engine
 constant, e.g. max_model_len), so the launch is CUDA-graph capturable.
 
