@@ -1,10 +1,11 @@
 """Per-layer decode attention time: vLLM's own kernels vs ours vs RocketKV.
 
 One Llama-3.1-8B-like attention layer (Hq 32, Hkv 8, d 128, bf16, KV block
-16), one decode token per sequence, contexts 4k/32k/128k x batch 1/8/32
-(sizes that do not fit in free GPU memory are skipped). Each sequence holds
-``context`` prompt tokens plus ``--generated`` generated ones (seq_len =
-context + generated). Methods:
+16), one decode token per sequence, contexts 4k/8k/16k/32k/128k x batch
+1/8/32 (sizes that do not fit in free GPU memory are skipped). Each sequence
+holds ``context`` prompt tokens plus ``--generated`` generated ones (seq_len
+= context + generated); ``--max-model-len`` defaults to the largest context
++ generated, so every row fits (128k included). Methods:
 
 * ``dense_flash_attn``  -- vLLM's FLASH_ATTN decode call, as
   ``FlashAttentionImpl.forward`` makes it (``flash_attn_varlen_func`` on the
@@ -16,20 +17,31 @@ context + generated). Methods:
 * ``dense_triton_attn`` -- vLLM's TRITON_ATTN decode call
   (``unified_attention`` with the builder's 3D-split threshold and softmax
   segment buffers);
-* ``dense_own``         -- our ``kernels.dense_decode`` (split-K flash decoding);
+* ``dense_own``         -- our ``rocketkv_eval.dense_decode`` (split-K flash
+  decoding);
 * ``rocketkv``          -- ``ops.triton.hsa_decode``: the whole Stage-2
-  chain (KT update, page scoring, top-n page selection, sparse attention),
-  once per config (``--configs``; default ``token_budget=2048``, the
-  ``trtllm`` preset, and that preset with fp8 KT pages), each resolved as the backend does
-  (``config.parse_config`` -> ``resolve_settings(block 16, d 128,
-  --max-model-len)`` -> ``plan_request(context)``), on the compressed view
-  such a request has: ``num_compact`` kept tokens compacted onto its first
-  blocks, the tail from ``tail_start`` in place, the freed blocks null;
-  launched with the shapes of the backend's FULL decode graphs
-  (``backend.graphs.shape_for``: max_pages = max_model_len / ps + 1,
-  max_select = max_topk // ps; the kernels loop over each row's own view
-  pages = ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps)).
-  Per-kernel eager times of the four stages are added.
+  chain in three launches (scoring with the KT update, selection, sparse
+  attention with its split merge) on a ``DecodeWorkspace`` made once, as the
+  backend's builder makes it; once per config (``--configs``; default
+  ``token_budget=2048``, the ``trtllm`` preset, and that preset with fp8 KT
+  pages), each resolved as the backend does (``config.parse_config`` ->
+  ``resolve_settings(block 16, d 128, --max-model-len)`` ->
+  ``plan_request(context)``), on the compressed view such a request has:
+  ``num_compact`` kept tokens compacted onto its first blocks, the tail from
+  ``tail_start`` in place, the freed blocks null; launched with the shapes of
+  the backend's FULL decode graphs (``backend.graphs.shape_for``: max_pages
+  = max_model_len / ps + 1, max_select = max_topk // ps; the kernels loop
+  over each row's own view pages = ceil(num_compact/ps) + ceil((seq_len -
+  tail_start)/ps)). Per-launch eager times are added (``ms_score``,
+  ``ms_select``, ``ms_sparse_attention``) and each launch's grid and
+  programs with work (``launches``);
+* ``rocketkv_legacy``   -- the six-launch decode before issue 38
+  (``rocketkv_eval.legacy_stage2``), same rows: before / after in one run.
+
+After the sizes: a summary -- the fixed cost (the smallest context at batch
+1, default 4k x 1, in us per layer; target <= 20 us) of each ROCKETKV
+method and config, and per (context, batch) each one's speed-up over
+FLASH_ATTN with issue 38's target where it sets one (JSON ``summary``).
 
 The three dense methods read the same paged cache [num_blocks, Hkv, 16, 2d]
 (K|V per token, random block order; block 0 is vLLM's null block); RocketKV
@@ -91,26 +103,31 @@ try:  # config.py imports yaml (preset files); a bare GPU host may lack it
 except ImportError:  # pragma: no cover
     sys.modules["yaml"] = types.ModuleType("yaml")
 
+from rocketkv_eval import legacy_stage2  # noqa: E402
+from rocketkv_eval.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.backend.graphs import shape_for  # noqa: E402
 from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
-from rocketkv_vllm.kernels.dense_decode import dense_decode  # noqa: E402
-from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
-from rocketkv_vllm.kernels.kt_update import kt_update  # noqa: E402
-from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
+from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
+from rocketkv_vllm.kernels.hsa_score import launch_score, launch_select  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
 from rocketkv_vllm.plan import plan_request  # noqa: E402
 
 DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")
-METHODS = DENSE_METHODS + ("rocketkv",)
+# rocketkv: the decode of this checkout (ops.triton.hsa_decode, three
+# launches on the backend's workspace); rocketkv_legacy: the six-launch
+# decode before issue 38 (legacy_stage2), for before / after in one run
+ROCKET_METHODS = ("rocketkv", "rocketkv_legacy")
+METHODS = DENSE_METHODS + ROCKET_METHODS
+DEFAULT_CONTEXTS = "4096,8192,16384,32768,131072"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (interpreter)")
-    p.add_argument("--contexts", default="4096,32768,131072", help="prompt tokens")
+    p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="prompt tokens")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument(
@@ -131,9 +148,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--max-model-len",
         type=int,
-        default=131072,
+        default=None,
         help="engine max_model_len given to resolve_settings (page size of"
-        " token_budget configs); 0: context + max_new_tokens per row",
+        " token_budget configs) and the FULL-graph launch shape; default: the"
+        " largest context + --generated (so every row fits, 128k included);"
+        " 0: context + max_new_tokens per row",
     )
     p.add_argument(
         "--time-budget",
@@ -178,6 +197,8 @@ def parse_args(argv=None):
         args.stage1_context, args.stage1_config = 512, "token_budget=64"
         args.warmup, args.iters, args.generated = 1, 2, 8
         args.flush_mib, args.copy_mib = 8, 16
+    if args.max_model_len is None:
+        args.max_model_len = max(int(x) for x in args.contexts.split(",")) + args.generated
     return args
 
 
@@ -523,8 +544,10 @@ def rocket_plan(ctx, raw, a):
     return settings, plan_request(settings, ctx), mml
 
 
-def bench_rocket(ctx, batch, label, raw, a, dev, timer):
-    """One rocketkv row (None + reason if the prompt is not compressed)."""
+def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
+    """One rocketkv row (None + reason if the prompt is not compressed):
+    ``rocketkv`` the decode of this checkout on a workspace made once (as
+    the backend's builder makes it), ``rocketkv_legacy`` the six-launch one."""
     d, bs, hkv, hq = a.head_dim, a.block_size, a.hkv, a.hq
     settings, plan, mml = rocket_plan(ctx, raw, a)
     if not plan.compress:
@@ -540,7 +563,8 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     # the launch shapes of the backend's FULL decode graphs
     shape = shape_for(settings, mml, batch)
     max_pages, max_select = shape.max_pages, shape.max_select
-    n_sel = min(max(plan.topk // ps, 1), view_pages, max_select)
+    force = settings.force_current_page
+    n_sel = min(max(plan.topk // ps, 1) + int(force), view_pages, max_select + int(force))
     compact_blocks, tail_blocks = cdiv(nc, bs), cdiv(seq_len - ts, bs)
     view_blocks = compact_blocks + tail_blocks
     kv, kt = make_cache(batch * view_blocks + 1, hkv, d, bs, ps, a.dtype, dev, settings.kt_dtype)
@@ -562,54 +586,60 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     q = torch.randn(batch, hq, d, dtype=a.dtype, device=dev)
     out = torch.empty_like(q)
     scale = d**-0.5
-    force = settings.force_current_page
+    rows = (table, nc_t, ts_t, seq_t, topk_t, topr_t, ps, scale, max_pages, max_select, force)
+    dplan = triton_ops.plan_decode(
+        batch,
+        hq,
+        hkv,
+        d,
+        max_pages,
+        max_select,
+        ps,
+        force,
+        q.dtype,
+        sparse_decode_module.num_sms(dev),
+    )
+    launches = [
+        {"kernel": la.kernel, "grid": list(la.grid), "programs": la.programs, "busy": la.busy}
+        for la in dplan.launches(view_pages, n_sel)
+    ]
+    ws = None
+    if method == "rocketkv":
+        ws = triton_ops.DecodeWorkspace(dev, batch, hq, hkv, d, max_pages, max_select, force)
 
-    def call():
-        triton_ops.hsa_decode(
-            q,
-            k_cache,
-            v_cache,
-            kt,
-            table,
-            nc_t,
-            ts_t,
-            seq_t,
-            topk_t,
-            topr_t,
-            ps,
-            scale,
-            max_pages,
-            max_select,
-            force,
-            out=out,
-        )
+        def call():
+            triton_ops.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out, workspace=ws)
+
+    else:
+
+        def call():
+            legacy_stage2.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out)
 
     refresh = q.normal_
     row = timer.measure(call, refresh)
-    if not a.no_components:
-        probs = hsa_page_probs(q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, max_pages, force)
-        sel = select_pages(probs, max_select, nc_t, ts_t, seq_t, topk_t, ps)
+    if not a.no_components and method == "rocketkv":
+        score, attn = ws.views(dplan)
         row.update(
             {
-                "ms_kt_update": timer.eager(
-                    lambda: kt_update(k_cache, kt, table, seq_t, ps), refresh
-                ),
-                "ms_scoring": timer.eager(
-                    lambda: hsa_page_probs(
-                        q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, max_pages, force
+                "ms_score": timer.eager(
+                    lambda: launch_score(
+                        dplan.score, score, q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, k_cache
                     ),
                     refresh,
                 ),
                 "ms_select": timer.eager(
-                    lambda: select_pages(probs, max_select, nc_t, ts_t, seq_t, topk_t, ps), refresh
+                    lambda: launch_select(
+                        dplan.score, score, hq, nc_t, ts_t, seq_t, topk_t, ps, force
+                    ),
+                    refresh,
                 ),
                 "ms_sparse_attention": timer.eager(
-                    lambda: sparse_decode(
+                    lambda: sparse_decode_module.sparse_decode(
                         q,
                         k_cache,
                         v_cache,
                         table,
-                        sel,
+                        score.sel,
                         nc_t,
                         ts_t,
                         seq_t,
@@ -617,6 +647,9 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
                         ps,
                         scale,
                         out=out,
+                        extra_pages=int(force),
+                        scratch=attn,
+                        plan=dplan.attention,
                     ),
                     refresh,
                 ),
@@ -625,10 +658,9 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
     esize = kv.element_size()
     bytes_kt = batch * hkv * view_pages * kt_row_bytes(d, a.dtype, settings.kt_dtype)
     bytes_kv = batch * hkv * n_sel * ps * 2 * d * esize
-    bytes_scratch = (
-        batch * hq * view_pages * 4 * 2  # logits: write + read
-        + batch * hkv * max_pages * 4 * 2
-    )  # probs: write + read
+    bytes_scratch = batch * hq * view_pages * 4 * 2  # logits: write + read
+    if method == "rocketkv_legacy":
+        bytes_scratch += batch * hkv * max_pages * 4 * 2  # probs: write + read
     bytes_kt_update = (
         batch * hkv * (ps * d * esize + 2 * kt_row_bytes(d, a.dtype, settings.kt_dtype))
     )
@@ -647,6 +679,8 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer):
             "max_pages": max_pages,
             "max_select": max_select,
             "pages_selected": n_sel,
+            "launches": launches if method == "rocketkv" else "6 (legacy_stage2)",
+            "workspace_bytes": ws.nbytes if ws is not None else None,
             "bytes": bytes_kt + bytes_kv,
             "bytes_kt": bytes_kt,
             "bytes_kv_selected": bytes_kv,
@@ -731,6 +765,79 @@ def bench_stage1(a, dev, timer):
         "prefill_impl": how,
         "fraction_of_prefill_attention": ms_stage1 / ms_prefill,
     }
+
+
+# ---------------------------------------------------------------- summary
+# Issue 38's targets (H200, graph replay, vs vLLM's FLASH_ATTN): the fixed
+# cost at 4k x 1 and the decode attention speed-ups
+FIXED_COST_TARGET_US = 20.0
+SPEEDUP_TARGETS = {
+    (8192, 1): 1.0,
+    (32768, 1): 2.5,
+    (131072, 1): 7.0,
+    (32768, 8): 8.0,
+    (131072, 8): 30.0,
+}
+
+
+def summarize(rows: list[dict], contexts: list[int], batches: list[int]) -> dict:
+    """The fixed cost (smallest context at batch 1: the time a layer's
+    decode takes when there are hardly any bytes to read) per ROCKETKV
+    method and config, and per (context, batch) each one's time and
+    speed-up over FLASH_ATTN (else the first dense method) with the
+    issue's target where it sets one."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["context"], r["batch"]), []).append(r)
+    fixed = {}
+    if contexts and 1 in batches:
+        for r in by.get((min(contexts), 1), []):
+            if r["method"] in ROCKET_METHODS:
+                fixed[f"{r['method']} {r['config']}"] = round(r["ms"] * 1e3, 2)
+    table = []
+    for (ctx, batch), rs in sorted(by.items()):
+        dense = {r["method"]: r["ms"] for r in rs if r["method"] in DENSE_METHODS}
+        ref = next((m for m in DENSE_METHODS if m in dense), None)
+        for r in rs:
+            if r["method"] not in ROCKET_METHODS:
+                continue
+            table.append(
+                {
+                    "context": ctx,
+                    "batch": batch,
+                    "method": r["method"],
+                    "config": r["config"],
+                    "us": round(r["ms"] * 1e3, 2),
+                    "dense_ref": ref,
+                    "dense_us": round(dense[ref] * 1e3, 2) if ref else None,
+                    "speedup": round(dense[ref] / r["ms"], 3) if ref else None,
+                    "target": SPEEDUP_TARGETS.get((ctx, batch)),
+                }
+            )
+    return {
+        "fixed_cost_context": min(contexts) if contexts else None,
+        "fixed_cost_us": fixed,
+        "fixed_cost_target_us": FIXED_COST_TARGET_US,
+        "rows": table,
+    }
+
+
+def print_summary(summary: dict) -> None:
+    ctx = summary["fixed_cost_context"]
+    for name, us in summary["fixed_cost_us"].items():
+        print(
+            f"fixed cost ({ctx} x 1): {name}: {us:.1f} us per layer "
+            f"(target <= {summary['fixed_cost_target_us']:.0f} us)",
+            flush=True,
+        )
+    for t in summary["rows"]:
+        sp = f"x{t['speedup']:.2f} vs {t['dense_ref']}" if t["speedup"] else ""
+        goal = f" (target x{t['target']:g})" if t["target"] else ""
+        print(
+            f"summary {t['context']:>7} x {t['batch']:<3} {t['method']:>15} {t['config']:>28}"
+            f" {t['us']:>9.1f} us {sp}{goal}",
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------- main
@@ -818,15 +925,19 @@ def main(argv=None) -> int:
     def show(r):
         cfg = r["config"] or "-"
         extra = ""
-        if r["method"] == "rocketkv":
+        if r["method"] in ROCKET_METHODS:
             extra = (
                 f"ps={r['page_size']} pages={r['view_pages']} sel={r['pages_selected']}"
                 f"/{r['max_select']} r={r['topr']}"
             )
-            if "ms_scoring" in r:
+            if "ms_score" in r:
                 extra += (
-                    f" | kt {r['ms_kt_update']:.4f} score {r['ms_scoring']:.4f} "
-                    f"select {r['ms_select']:.4f} attn {r['ms_sparse_attention']:.4f}"
+                    f" | score+kt {r['ms_score']:.4f} select {r['ms_select']:.4f} "
+                    f"attn {r['ms_sparse_attention']:.4f}"
+                )
+            if isinstance(r.get("launches"), list):
+                extra += " | grids " + " ".join(
+                    f"{la['programs']}({la['busy']})" for la in r["launches"]
                 )
         if r.get("speedup_vs_dense"):
             extra = f"x{r['speedup_vs_dense']:.2f} vs {r['dense_ref']} " + extra
@@ -914,33 +1025,37 @@ def main(argv=None) -> int:
                 r["pct_copy"] = 100 * r["gbps"] / bw
                 show(r)
             ref = next((m for m in DENSE_METHODS if m in dense_ms), None)
-            if "rocketkv" in methods:
-                for label, raw in configs:
-                    try:
-                        r, why = bench_rocket(ctx, batch, label, raw, a, dev, timer)
-                    except Exception as exc:  # noqa: BLE001
-                        r, why = None, f"{label}: FAILED {type(exc).__name__}: {exc}"[:300]
-                        if dev.type == "cuda":
-                            torch.cuda.synchronize()
-                    if r is None:
-                        skipped.append(dict(base, method="rocketkv", config=label, reason=why))
-                        print(
-                            f"{ctx:>7} {batch:>5} {'rocketkv':>17} {label:>17} skipped: {why}",
-                            flush=True,
-                        )
-                        continue
-                    r = dict(base, method="rocketkv", config=label, **r)
-                    r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-                    r["pct_copy"] = 100 * r["gbps"] / bw
-                    if ref:
-                        r["dense_ref"] = ref
-                        r["speedup_vs_dense"] = dense_ms[ref] / r["ms"]
-                    rows.append(r)
-                    show(r)
+            for method, (label, raw) in [
+                (m, c) for c in configs for m in ROCKET_METHODS if m in methods
+            ]:
+                try:
+                    r, why = bench_rocket(ctx, batch, label, raw, a, dev, timer, method)
+                except Exception as exc:  # noqa: BLE001
+                    r, why = None, f"{label}: FAILED {type(exc).__name__}: {exc}"[:300]
                     if dev.type == "cuda":
-                        torch.cuda.empty_cache()
+                        torch.cuda.synchronize()
+                if r is None:
+                    skipped.append(dict(base, method=method, config=label, reason=why))
+                    print(
+                        f"{ctx:>7} {batch:>5} {method:>17} {label:>17} skipped: {why}",
+                        flush=True,
+                    )
+                    continue
+                r = dict(base, method=method, config=label, **r)
+                r["gbps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+                r["pct_copy"] = 100 * r["gbps"] / bw
+                if ref:
+                    r["dense_ref"] = ref
+                    r["speedup_vs_dense"] = dense_ms[ref] / r["ms"]
+                rows.append(r)
+                show(r)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
             dump()
 
+    result["summary"] = summarize(rows, contexts, batches)
+    print_summary(result["summary"])
+    dump()
     if a.stage1_context:
         if a.time_budget is not None and time.time() - t_start > a.time_budget:
             result["stage1"] = {"skipped": "time budget"}
