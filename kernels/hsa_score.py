@@ -302,8 +302,8 @@ def _bits_at(row_ptr, idx, n, FLOAT: tl.constexpr):
     -1 at idx >= n."""
     if FLOAT:
         v = tl.load(row_ptr + idx, mask=idx < n, other=-1.0).to(tl.int32, bitcast=True)
-    else:
-        v = tl.load(row_ptr + idx, mask=idx < n, other=-1)
+    else:  # candidates other programs wrote in this launch: past L1
+        v = tl.load(row_ptr + idx, mask=idx < n, other=-1, cache_modifier=".cg")
     return v
 
 
@@ -365,13 +365,13 @@ def _merge_candidates(cbits_row, cpage_row, n, want, sel_row, BLOCK: tl.constexp
     idx = tl.arange(0, BLOCK)
     bits0 = _bits_at(cbits_row, idx, n, False)
     thr, room = _threshold(bits0, cbits_row, n, want, False, BLOCK)
-    pages = tl.load(cpage_row + idx, mask=idx < n, other=0)
+    pages = tl.load(cpage_row + idx, mask=idx < n, other=0, cache_modifier=".cg")
     base, eq_seen = _pack(bits0, pages, thr, room, thr * 0, thr * 0, sel_row, sel_row, False)
     for p0 in range(BLOCK, n, BLOCK):
         i = p0 + idx
         base, eq_seen = _pack(
             _bits_at(cbits_row, i, n, False),
-            tl.load(cpage_row + i, mask=i < n, other=0),
+            tl.load(cpage_row + i, mask=i < n, other=0, cache_modifier=".cg"),
             thr,
             room,
             base,
@@ -552,7 +552,7 @@ def _select_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
         if done == num_splits - 1:
-            tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch / replay
+            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed")  # for the next launch / replay
             total = (row_pages + chunk - 1) // chunk * stride
             mrow = bh.to(tl.int64) * num_splits * cand
             srow = sel_ptr + bh.to(tl.int64) * num_sel
@@ -814,7 +814,6 @@ def launch_select(
         probs = scratch.logits  # unused
     else:
         assert probs.is_contiguous() and probs.numel() >= plan.batch * hkv * plan.max_pages
-    big = plan.sub >= 1024 or plan.merge_block >= 2048
     _select_kernel[plan.grid](
         scratch.logits,
         scratch.part_m,
@@ -849,7 +848,9 @@ def launch_select(
         FROM_PROBS=from_probs,
         WRITE_PROBS=write_probs,
         SELECT=select,
-        num_warps=8 if big else 4,
+        # 8 warps: shorter per-thread runs in the scans and bisections (and
+        # with 4, ptxas-blackwell spilled a few bytes of one sm_100 variant)
+        num_warps=8,
     )
 
 

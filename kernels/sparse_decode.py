@@ -380,7 +380,7 @@ def _sparse_decode_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
         if done == num_splits - 1:
-            tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch / replay
+            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed")  # for the next launch / replay
             _merge_partials(
                 o_ptr,
                 lse_ptr,
