@@ -520,6 +520,7 @@ def launch_config(
     with (
         mock.patch.object(hs, "num_sms", lambda device: target.sms),
         mock.patch.object(sd, "num_sms", lambda device: target.sms),
+        mock.patch.object(dd, "num_sms", lambda device: target.sms),
     ):
         for name, call in calls.items():
             if call is None or (only and name not in only):
