@@ -1,5 +1,11 @@
 """Decode-time KT update, batched over decode rows.
 
+Stage 2's decode (``ops.triton.hsa_decode``) does not launch this: the
+scoring kernel (``hsa_score._score_kernel``) refreshes the newest page
+itself through ``refresh_kt_row``. ``kt_update`` stays for callers that
+refresh KT pages alone (tests, benchmarks); ``write_kv_and_kt`` for a fused
+K/V store.
+
 Each decode row b has its new token at logical slot pos = seq_lens[b] - 1.
 The KT page holding pos is recomputed from the keys of slots
 [page_start, pos] (page_start = pos - pos % page_size), exactly like
