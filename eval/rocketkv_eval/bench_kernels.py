@@ -36,7 +36,8 @@ holds ``context`` prompt tokens plus ``--generated`` generated ones (seq_len
   ``ms_select``, ``ms_sparse_attention``) and each launch's grid and
   programs with work (``launches``);
 * ``rocketkv_legacy``   -- the six-launch decode before issue 38
-  (``rocketkv_eval.legacy_stage2``), same rows: before / after in one run.
+  (``rocketkv_eval.legacy_stage2``), same rows: before / after in one run
+  (not in the default ``--methods``).
 
 After the sizes: a summary -- the fixed cost (the smallest context at batch
 1, default 4k x 1, in us per layer; target <= 20 us) of each ROCKETKV
@@ -129,7 +130,12 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (interpreter)")
     p.add_argument("--contexts", default=DEFAULT_CONTEXTS, help="prompt tokens")
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument(
+        "--methods",
+        default=",".join(DENSE_METHODS + ("rocketkv",)),
+        help="comma list of " + ", ".join(METHODS) + " (rocketkv_legacy, the six-launch "
+        "decode before issue 38, only on request: before / after in one run)",
+    )
     p.add_argument(
         "--configs",
         default="token_budget=2048,preset=trtllm,preset=trtllm+kt_dtype=fp8_e4m3",
