@@ -22,7 +22,9 @@
 #   part 2 (limits add up to 350 s):
 #   gpu-tests-2    GPU_CHECK_TESTS2_S=150        tests/test_gpu.py::TestOnGPUFp8CacheAndServe: the
 #                                                fp8 KV cache engines, `vllm serve`
-#   bench-kernels  GPU_CHECK_BENCH_KERNELS_S=70  scripts/bench_kernels.py: decode attention per layer
+#   bench-kernels  GPU_CHECK_BENCH_KERNELS_S=70  scripts/bench_kernels.py: decode attention per layer,
+#                                                trtllm vs FLASH_ATTN, 4k/32k/128k x batch 1/8 (the full
+#                                                grid and the before/after: scripts/gpu_speed.sh)
 #   bench-e2e      GPU_CHECK_BENCH_E2E_S=130     scripts/bench_e2e.py, 16 x 7,800 tokens + 128,
 #                                                FLASH_ATTN vs ROCKETKV
 # Every pytest step runs with -v: a step cut by its limit still names what passed and failed.
@@ -101,8 +103,9 @@ if in_part 2; then
   step gpu-tests-2 "${GPU_CHECK_TESTS2_S:-150}" "$PY" -m pytest -v -s -rs -p no:cacheprovider \
     "tests/test_gpu.py::TestOnGPUFp8CacheAndServe" --junitxml="$OUT/gpu-tests-2.xml"
   T=${GPU_CHECK_BENCH_KERNELS_S:-70}
-  step bench-kernels "$T" "$PY" scripts/bench_kernels.py --time-budget $((T > 30 ? T - 20 : 10)) \
-    --out "$OUT/kernels-h200.json"
+  step bench-kernels "$T" "$PY" scripts/bench_kernels.py --configs preset=trtllm \
+    --methods dense_flash_attn,rocketkv --contexts 4096,32768,131072 --batches 1,8 \
+    --stage1-context 0 --time-budget $((T > 30 ? T - 20 : 10)) --out "$OUT/kernels-h200.json"
   step bench-e2e "${GPU_CHECK_BENCH_E2E_S:-130}" "$PY" scripts/bench_e2e.py \
     ${ROCKETKV_GPU_MODEL:+--model "$ROCKETKV_GPU_MODEL"} --prompts 16 --prompt-tokens 7800 \
     --new-tokens 128 --kv-cache-gib 6 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.2 \

@@ -1,30 +1,22 @@
 #!/usr/bin/env bash
 # Decode speed on the GPU host, before and after, in one device command (issue 38's targets):
 #
-#   . /tmp/site/.bundle/env.sh && BEFORE=.gpu-bundle/before bash scripts/gpu_speed.sh
+#   . /tmp/site/.bundle/env.sh && bash scripts/gpu_speed.sh
 #
-# BEFORE (optional): a tree of an earlier commit to measure beside this one in the same run, made
-# here by `bash scripts/gpu_speed.sh --make-before REV .gpu-bundle/before` (its rocketkv_vllm,
-# kernels, eval and scripts: about 1 MiB; carry it with the call). Needs what scripts/gpu_check.sh
-# needs (the vLLM bundle installed, its env sourced). Steps, each under `timeout`:
-#   kernels-before  GPU_SPEED_KERNELS_S=75   bench_kernels of BEFORE, trtllm, the default rows
-#   kernels         GPU_SPEED_KERNELS_S=75   bench_kernels of this tree, the same rows
-#   e2e             GPU_SPEED_E2E_S=190      bench_e2e, a Llama-3.1-8B-shaped model from its
-#                                            config.json with random weights, FLASH_ATTN vs
-#                                            preset=trtllm, workloads 32k x 1, 32k x 8
-# (limits add up to 340 s). Results in $OUT (default results/gpu-speed): summary.txt, a log a step,
-# kernels-before.json, kernels.json, e2e.json. 128k x 8 end to end takes longer than a command
-# allows beside the rest: `GPU_SPEED_WORKLOADS=131000x8 GPU_SPEED_KERNELS_S=0 ...` runs it alone.
+# Needs what scripts/gpu_check.sh needs (the vLLM bundle installed, its env sourced). Steps, each
+# under `timeout` (limits add up to 350 s):
+#   kernels  GPU_SPEED_KERNELS_S=150  bench_kernels, trtllm preset, 4k/8k/16k/32k/128k x batch
+#                                     1/8/32: FLASH_ATTN, ROCKETKV's 3-launch decode and the
+#                                     six-launch one before it (rocketkv_legacy) in one process
+#   e2e      GPU_SPEED_E2E_S=200      bench_e2e, a Llama-3.1-8B-shaped model from its config.json
+#                                     with random weights, FLASH_ATTN vs preset=trtllm, workloads
+#                                     32k x 1, 32k x 8 on one engine per method
+# Results in $OUT (default results/gpu-speed): summary.txt, a log a step, kernels.json, e2e.json.
+# 128k x 8 end to end takes longer than a command allows beside the rest:
+# `GPU_SPEED_WORKLOADS=131000x8 GPU_SPEED_KERNELS_S=0 ...` runs it alone.
 set -u -o pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
-if [ "${1:-}" = --make-before ]; then
-  rev=${2:?REV} dest=${3:?DEST}
-  rm -rf "$dest" && mkdir -p "$dest"
-  git archive "$rev" rocketkv_vllm kernels eval scripts pyproject.toml | tar -x -C "$dest"
-  echo "gpu_speed: $rev in $dest ($(du -sh "$dest" | cut -f1))"
-  exit 0
-fi
 PY=${PY:-python3}
 OUT=${OUT:-results/gpu-speed}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
@@ -49,16 +41,11 @@ step() { # step NAME LIMIT_S COMMAND...
   [ "$rc" != 0 ] && { FAILED=1; tail -n 20 "$OUT/$name.log" | sed "s/^/  $name| /"; }
   return 0
 }
-K=${GPU_SPEED_KERNELS_S:-75}
-KARGS=(--configs preset=trtllm --contexts 4096,8192,16384,32768,131072 --batches 1,8,32
-  --max-model-len 0 --time-budget $((K > 30 ? K - 25 : 10)))
-if [ -n "${BEFORE:-}" ]; then
-  step kernels-before "$K" env PYTHONPATH="$BEFORE:$BEFORE/eval:$EP" "$PY" "$BEFORE/scripts/bench_kernels.py" \
-    "${KARGS[@]}" --out "$OUT/kernels-before.json"
-fi
-step kernels "$K" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/bench_kernels.py \
-  "${KARGS[@]}" --out "$OUT/kernels.json"
-step e2e "${GPU_SPEED_E2E_S:-190}" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" \
+K=${GPU_SPEED_KERNELS_S:-150}
+step kernels "$K" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" "$PY" \
+  scripts/bench_kernels.py --configs preset=trtllm --methods dense_flash_attn,rocketkv,rocketkv_legacy \
+  --stage1-context 0 --time-budget $((K > 40 ? K - 25 : 15)) --out "$OUT/kernels.json"
+step e2e "${GPU_SPEED_E2E_S:-200}" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" scripts/bench_e2e.py --model-config llama-3.1-8b \
   --workloads "${GPU_SPEED_WORKLOADS:-32000x1,32000x8}" --new-tokens 128 \
   --max-num-batched-tokens 16384 --methods dense,preset=trtllm --out "$OUT/e2e.json"
