@@ -16,8 +16,6 @@ from typing import Protocol
 
 import numpy as np
 
-# Top-r is a whole number of 16-channel lanes (the kernels' score tiles).
-TOPR_LANES = 16
 # Tokens per KT page when neither the user nor a token budget sets one.
 DEFAULT_PAGE_SIZE = 4
 
@@ -78,8 +76,12 @@ def kernel_budget(
       an engine has one: ``resolve_settings`` asks for its longest prompt;
     - prompt budget: the split's, at least ``prompt_budget_floor``;
     - top-k: half of B, in whole pages (``budget_pages_selected``);
-    - top-r: the channels for that page size at the split's compression
-      ratio, in whole lanes of ``TOPR_LANES``, within [TOPR_LANES, head_dim].
+    - top-r: the whole head (``head_dim``), not the split's channel cut
+      (``split_token_budget``): on Gemma 3 270M (head dim 256) at B = 256 the
+      cut (176 of 256 channels) found 15 of 32 needles where every channel
+      found 32 of 32, at the same prompt budget and top-k (docs/results.md,
+      2026-12-05); TensorRT-LLM's RocketKV also defaults to the head dim. The
+      kernels read whole KT rows either way, so it costs no bytes.
 
     Without one, the explicit knobs as given (top-r resolved: the whole head
     when none, ``resolve_settings``), page size ``DEFAULT_PAGE_SIZE`` (at most
@@ -101,7 +103,7 @@ def kernel_budget(
         page_size=page_size,
         prompt_budget=max(cap - max_new, prompt_budget_floor(knobs.window_size, block_size)),
         topk=budget_pages_selected(budget, page_size) * page_size,
-        topr=_topr(head_dim, page_size, ratio, TOPR_LANES),
+        topr=head_dim,
     )
 
 
@@ -109,7 +111,8 @@ def split_token_budget(
     token_budget: int, num_prompt_tokens: int, max_new_tokens: int, head_dim: int
 ) -> BudgetSplit:
     """SPEC §1 "budget split from one number", before any kernel rounding:
-    the reference's numbers (``kernel_budget`` rounds them)."""
+    the reference's numbers (``kernel_budget`` rounds them, and keeps every
+    channel instead of this top-r)."""
     cap, ratio = _compression(token_budget, num_prompt_tokens, max_new_tokens)
     page_size = _page_size(ratio)
     return BudgetSplit(
@@ -158,7 +161,7 @@ def _page_size(ratio: float) -> int:
 
 
 def _topr(head_dim: int, page_size: int, ratio: float, lanes: int) -> int:
-    """Channels that keep Stage 2 at ``ratio`` with pages of ``page_size``,
-    in whole ``lanes``, within [lanes, head_dim]."""
+    """SPEC's channels that keep Stage 2 at ``ratio`` with pages of
+    ``page_size``, in whole ``lanes``, within [lanes, head_dim]."""
     topr = round(head_dim * page_size / ratio / lanes) * lanes
     return min(max(topr, lanes), head_dim)

@@ -82,8 +82,8 @@ class RocketKVConfig:
     )
     token_budget: int | None = knob(
         None,
-        "one number B; per request, SPEC §1's split gives `prompt_budget`, "
-        "`topk`, `topr` (see below)",
+        "one number B; per request, SPEC §1's split gives `prompt_budget` and "
+        "`topk` (see below); `topr` stays the head dim",
         lo=16,
         hi=MAX_INT,
         nullable=True,
@@ -125,7 +125,8 @@ class RocketKVConfig:
     )
     topr: int | None = knob(
         None,
-        "query channels used to score pages; refused next to `token_budget`",
+        "query channels used to score pages (all of them by default, also "
+        "under `token_budget`); refused next to `token_budget`",
         lo=1,
         hi=1024,
         nullable=True,

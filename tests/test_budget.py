@@ -11,7 +11,6 @@ import pytest
 
 from rocketkv_vllm.backend.graphs import GraphGuard, shape_for
 from rocketkv_vllm.budget import (
-    TOPR_LANES,
     KernelBudget,
     kernel_budget,
     prompt_budget_floor,
@@ -26,7 +25,9 @@ from rocketkv_vllm.config import (
 from rocketkv_vllm.plan import plan_request, view_pages
 
 # The arithmetic as it stood in budget.py, config.py, plan.py and graphs.py
-# at 2cf03ed, before it became one function: the oracle of the grid below.
+# at 2cf03ed, before it became one function: the oracle of the grid below,
+# with one deliberate change since (issue 40): under a token budget, top-r is
+# the head dim instead of the split's channel cut in 16-channel lanes.
 
 
 def _old_split(token_budget, n, max_new, head_dim):
@@ -69,9 +70,7 @@ def _old_numbers(settings, n):
     pb, topk, _, _ = _old_split(s.token_budget, n, s.max_new_tokens, s.head_dim)
     prompt_budget = max(pb, s.window_size + s.block_size)
     topk = _old_pages_selected(topk, s.page_size) * s.page_size
-    c2 = max(1.0, (pb + s.max_new_tokens) / s.token_budget)
-    topr = round(s.head_dim * s.page_size / c2 / 16) * 16
-    return prompt_budget, topk, min(max(topr, 16), s.head_dim)
+    return prompt_budget, topk, s.head_dim
 
 
 def _old_max_select(settings, max_model_len):
@@ -101,7 +100,7 @@ GRID_RAW = [
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_numbers_match_the_formulas_they_replaced(head_dim):
     """Page size, prompt budget (with its floor), top-k in whole pages, top-r
-    in 16-channel lanes, the graph's selection: the same as before, on a grid
+    (the head dim), the graph's selection: the same as before, on a grid
     of budgets, generation lengths, block sizes, model lengths, prompts."""
     lengths = (0, 1, 15, 16, 17, 100, 257, 1000, 4000, 6000, 32000, 131072)
     for raw, block_size, max_model_len in itertools.product(
@@ -142,39 +141,39 @@ def test_request_budgets_match_the_formulas_they_replaced():
 # What every preset runs with at block size 16, pinned: (preset, max_model_len)
 # -> ((page size, the graph's selected pages, top-k), prompt budgets of prompts
 # of 1000, 6000 and max_model_len - 256 tokens, their top-r for each head dim
-# of HEAD_DIMS).
+# of HEAD_DIMS: the head dim itself, under a token budget too since issue 40).
 # Page size, top-k and prompt budget do not depend on the head dim.
 HEAD_DIMS = (64, 80, 96, 128, 256)
 PINNED = {
     ("budget-1024", 8192): (
         (2, 256, 512),
         (945, 3024, 3461),
-        ((64, 32, 32), (80, 48, 48), (96, 64, 48), (128, 80, 64), (256, 160, 144)),
+        ((64, 64, 64), (80, 80, 80), (96, 96, 96), (128, 128, 128), (256, 256, 256)),
     ),
     ("budget-1024", 131072): (
         (4, 128, 512),
         (945, 3024, 6216),
-        ((64, 64, 48), (80, 80, 48), (96, 96, 64), (128, 128, 80), (256, 256, 160)),
+        ((64, 64, 64), (80, 80, 80), (96, 96, 96), (128, 128, 128), (256, 256, 256)),
     ),
     ("budget-2048", 8192): (
         (2, 512, 1024),
         (1000, 4235, 5000),
-        ((64, 64, 48), (80, 80, 64), (96, 80, 80), (128, 112, 96), (256, 240, 192)),
+        ((64, 64, 64), (80, 80, 80), (96, 96, 96), (128, 128, 128), (256, 256, 256)),
     ),
     ("budget-2048", 131072): (
         (4, 256, 1024),
         (1000, 4235, 12509),
-        ((64, 64, 48), (80, 80, 48), (96, 96, 64), (128, 128, 80), (256, 256, 160)),
+        ((64, 64, 64), (80, 80, 80), (96, 96, 96), (128, 128, 128), (256, 256, 256)),
     ),
     ("budget-256", 8192): (
         (4, 32, 128),
         (478, 1107, 1192),
-        ((64, 48, 48), (80, 64, 64), (96, 80, 64), (128, 96, 96), (256, 192, 176)),
+        ((64, 64, 64), (80, 80, 80), (96, 96, 96), (128, 128, 128), (256, 256, 256)),
     ),
     ("budget-256", 131072): (
         (4, 32, 128),
         (478, 1107, 1040),
-        ((64, 48, 48), (80, 64, 64), (96, 80, 80), (128, 96, 96), (256, 192, 208)),
+        ((64, 64, 64), (80, 80, 80), (96, 96, 96), (128, 128, 128), (256, 256, 256)),
     ),
     ("trtllm", 8192): (
         (4, 64, 256),
@@ -260,7 +259,7 @@ def test_topk_and_page_size_do_not_depend_on_the_prompt():
         assert engine.page_size == settings.page_size
 
 
-def test_prompt_budget_floor_and_topr_lanes():
+def test_prompt_budget_floor_and_topr_is_the_head_dim():
     settings = _engine("budget-256", 128, 8192)
     floor = prompt_budget_floor(settings.window_size, settings.block_size)
     assert floor == settings.min_prompt_budget == 48
@@ -269,4 +268,5 @@ def test_prompt_budget_floor_and_topr_lanes():
     assert kernel_budget(settings, 1, head_dim=128, block_size=16).prompt_budget == floor
     for n in range(0, 200000, 997):
         topr = kernel_budget(settings, n, head_dim=128, block_size=16).topr
-        assert topr % TOPR_LANES == 0 and TOPR_LANES <= topr <= 128
+        assert topr == 128  # every channel (issue 40), not SPEC's cut
+    assert split_token_budget(256, 8192, 16, 256).topr < 256  # the cut SPEC's split would make
