@@ -633,10 +633,11 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
 def test_eager_triton_stage2_runs_large_batches_in_row_chunks(model_path, monkeypatch):
     """An eager Stage 2 call keeps its scratch under SCRATCH_BYTES by running
     the batch in row chunks: the same output as one call, the oracle's."""
-    from rocketkv_vllm.backend import stages
+    from rocketkv_vllm.ops import base
+    from rocketkv_vllm.ops.triton import TritonStage2
 
     b = _make_builder(model_path, {"token_budget": 256, "kernel": "triton"}, 8192)
-    assert isinstance(b.stage2, stages.TritonStage2)
+    assert isinstance(b.stage2, TritonStage2)
     s = b.settings
     prompts = [3000, 1800, 700]
     gen = torch.Generator().manual_seed(5)
@@ -648,8 +649,8 @@ def test_eager_triton_stage2_runs_large_batches_in_row_chunks(model_path, monkey
     kt_before = kt.clone()
     whole = b.stage2.decode(query, kv, md.decode, D**-0.5)
     kt.copy_(kt_before)  # the KT update of the newest tokens runs again
-    per_row = stages.scratch_bytes_per_row(HKV * G, HKV, md.decode.max_pages)
-    monkeypatch.setattr(stages, "SCRATCH_BYTES", per_row)  # one row a call
+    per_row = base.scratch_bytes_per_row(HKV * G, HKV, md.decode.max_pages)
+    monkeypatch.setattr(base, "SCRATCH_BYTES", per_row)  # one row a call
     calls = []
     monkeypatch.setattr(
         b.stage2,

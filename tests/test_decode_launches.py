@@ -438,15 +438,13 @@ def test_the_builder_workspace_serves_every_step_without_allocation(model_path):
     a call with its own scratch gives."""
     import test_builder as tb
 
-    from rocketkv_vllm.backend import stages
-
     b = tb._make_builder(
         model_path,
         {"token_budget": 256, "kernel": "triton"},
         4096,
         testing={"force_graph_layout": True},
     )
-    assert isinstance(b.stage2, stages.TritonStage2)
+    assert isinstance(b.stage2, triton_ops.TritonStage2)
     table = torch.zeros(4, 512, dtype=torch.int32)
     capture = b.build(0, tb._cm(b, [(5, 1, 0)] * 4, table, runner="dummy"))
     ws = capture.decode.workspace

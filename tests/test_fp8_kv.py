@@ -13,11 +13,11 @@ import torch
 from conftest import cpu_attn_decode
 from reference import paged
 
-from rocketkv_vllm.backend.stages import TorchStage1
 from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
 from rocketkv_vllm.ops import cpu as cpu_ops
 from rocketkv_vllm.ops import pytorch as torch_ops
+from rocketkv_vllm.ops.pytorch import TorchStage1
 
 ops = pytest.importorskip("vllm._custom_ops")
 from rocketkv_vllm.backend.native import cpu_kv_layout  # noqa: E402

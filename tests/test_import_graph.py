@@ -13,14 +13,19 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
+def package_files() -> dict[str, Path]:
+    """Every module of the package and its file."""
     paths = [
         Path(d) / f
         for d, _, names in os.walk(PACKAGE, followlinks=True)  # kernels/ is a symlink
         for f in names
         if f.endswith(".py")
     ]
-    files = {module_name(p): p for p in paths}
+    return {module_name(p): p for p in paths}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = package_files()
     graph = {}
     for name, path in files.items():
         targets = set()
@@ -137,3 +142,52 @@ def test_kernels_are_leaves():
         if bad:
             reached[path.name] = sorted(bad)
     assert not reached, f"kernels importing the rest of the package: {reached}"
+
+
+OPS = "rocketkv_vllm.ops"
+
+
+def vllm_imports(names: set[str]) -> list[str]:
+    return sorted(n for n in names if n == "vllm" or n.startswith("vllm."))
+
+
+def reached_from(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """The modules importing ``start`` runs: those, every package module
+    they import (inside functions too), and the packages above each."""
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(graph.get(name, ()))
+        parent = name.rpartition(".")[0]
+        if parent:
+            todo.append(parent)
+    return seen
+
+
+def test_reached_from_follows_imports_and_parent_packages():
+    graph = {"p": set(), "p.a": {"p.b"}, "p.b": {"q.c"}, "q": set(), "q.c": set(), "p.x": set()}
+    assert reached_from(graph, {"p.a"}) == {"p", "p.a", "p.b", "q", "q.c"}
+
+
+def test_ops_are_free_of_vllm():
+    """Nothing under ops/ imports vllm, directly or through the package
+    modules it imports: the stages (``ops.base`` and the Stage classes beside
+    their launchers), ``ops`` and ``kernels`` run with only torch + triton."""
+    files = package_files()
+    graph = import_graph()
+    ops = {n for n in files if n == OPS or n.startswith(OPS + ".")}
+    assert {f"{OPS}.base", f"{OPS}.triton", f"{OPS}.cpu", f"{OPS}.pytorch"} <= ops
+    reached = reached_from(graph, ops)
+    assert "rocketkv_vllm.layout" in reached  # the imports are followed
+    found = {}
+    for name in sorted(reached):
+        path = files[name]
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        bad = vllm_imports(imported_modules(path.read_text(), package))
+        if bad:
+            found[name] = bad
+    assert not found, f"modules that ops/ imports (or ops/ itself) importing vllm: {found}"

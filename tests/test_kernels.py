@@ -47,7 +47,6 @@ from rocketkv_vllm.algorithm import (  # noqa: E402
     sparse_attention,
     window_attention_scores,
 )
-from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
 from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
@@ -58,6 +57,7 @@ from rocketkv_vllm.kernels.window_scores import window_scores  # noqa: E402
 from rocketkv_vllm.layout import kt_bounds, kt_cache_view, kt_row_bytes, physical_slots, split_kv  # noqa: E402
 from rocketkv_vllm.ops import pytorch as torch_ops  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops
+from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")

@@ -563,15 +563,18 @@ def test_without_sinks_nothing_changes():
 
 
 # --------------------------------------------------------------------------
-# The backend's stages (``backend.stages``) hand the sinks to their ops
+# The stages (``ops.*``'s Stage classes) hand the sinks to their ops
 
 
 @pytest.mark.parametrize("impl", ["pytorch", "cpu", "triton"])
 def test_the_backend_stage2_passes_the_sinks(impl):
     """``Stage2.decode(..., sinks=)`` of the engine's Stage 2 for each
     implementation gives what its ops give with those sinks."""
-    from rocketkv_vllm.backend.stages import CpuStage2, HsaRows, TorchStage2, TritonStage2
     from rocketkv_vllm.config import RocketKVSettings
+    from rocketkv_vllm.ops.base import HsaRows
+    from rocketkv_vllm.ops.cpu import CpuStage2
+    from rocketkv_vllm.ops.pytorch import TorchStage2
+    from rocketkv_vllm.ops.triton import TritonStage2
 
     _skip_without_cpu_kernel(impl)
     dtype = F32
@@ -606,7 +609,8 @@ def test_the_backend_stage2_passes_the_sinks(impl):
 @pytest.mark.parametrize("impl", ["pytorch", "triton"])
 def test_the_backend_stage1_passes_the_sinks(impl):
     """``Stage1.compress(..., sinks=)`` keeps by the sink-aware scores."""
-    from rocketkv_vllm.backend.stages import TorchStage1, TritonStage1
+    from rocketkv_vllm.ops.pytorch import TorchStage1
+    from rocketkv_vllm.ops.triton import TritonStage1
 
     n, w, budget, kernel = 150, 8, 60, 7
     device = TRITON_DEVICE if impl == "triton" else "cpu"

@@ -31,12 +31,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from reference import paged  # noqa: E402
 
-from rocketkv_vllm.backend.stages import TorchStage1, TritonStage1  # noqa: E402
 from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
 from rocketkv_vllm.layout import _split, kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
 from rocketkv_vllm.ops import pytorch as torch_ops  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
+from rocketkv_vllm.ops.pytorch import TorchStage1  # noqa: E402
+from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32, BF16 = torch.float32, torch.bfloat16

@@ -25,11 +25,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import triton  # noqa: E402
 
-from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.backend.warmup import dummy_prompt, warm_up_stage1  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
 from rocketkv_vllm.kernels import compact, window_scores  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
+from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 from rocketkv_vllm.plan import plan_request  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -107,12 +107,12 @@ except ImportError:  # pragma: no cover
 from rocketkv_eval import legacy_stage2  # noqa: E402
 from rocketkv_eval.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.backend.graphs import shape_for  # noqa: E402
-from rocketkv_vllm.backend.stages import TritonStage1  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
 from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.kernels.hsa_score import launch_score, launch_select  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
+from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 from rocketkv_vllm.plan import plan_request  # noqa: E402
 
 DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")

@@ -484,7 +484,7 @@ def launch_config(
         # trtllm preset forces no page, the others do (FORCE constexpr)
         "hsa_decode": lambda: decode(False),
         "hsa_decode_sinks": lambda: decode(True, sinks=sinks),
-        # Stage 1 (backend.stages.Stage1 with ops.triton)
+        # Stage 1 (ops.triton.TritonStage1's steps)
         "window_scores": lambda: ws.window_scores(q_win, t.k, block_row, PROMPT, scale),
         # sinks join the host's merge of the row statistics: the same kernels
         "window_scores_sinks": lambda: ws.window_scores(

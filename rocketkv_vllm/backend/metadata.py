@@ -34,14 +34,9 @@ from vllm.v1.attention.backend import (
 
 from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.backend.native import native_for_config, native_for_layers
-from rocketkv_vllm.backend.stages import (
-    SCRATCH_BYTES,
-    HsaRows,
-    scratch_bytes_per_row,
-    stage2_for,
-    uses_triton,
-)
+from rocketkv_vllm.backend.stages import stage2_for, uses_triton
 from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
+from rocketkv_vllm.ops.base import SCRATCH_BYTES, HsaRows, scratch_bytes_per_row
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
 from rocketkv_vllm.state import PromptLengths, worker_state
 

@@ -6,6 +6,7 @@ machine under ``TORCH_EXTENSIONS_DIR``, default
 Same math as ``ops.pytorch.hsa_decode``, its test oracle; it reads the KV
 cache in CPU_ATTN's own layouts (``layout.split_kv``: head_rows, cpu_vec,
 cpu_amx) through the raw per-layer cache tensor, fp8 codes included.
+``CpuStage2`` is the stage the impl calls (``ops.base.Stage2``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from rocketkv_vllm.fp8_kv import KVQuant
 from rocketkv_vllm.kernels.formats import FORMAT_CODES
+from rocketkv_vllm.ops.base import HsaRows, Stage2
 
 LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
 
@@ -90,3 +92,28 @@ def hsa_decode(
         1.0 if quant is None else quant.k_scale,
         1.0 if quant is None else quant.v_scale,
     )
+
+
+class CpuStage2(Stage2):
+    name = "native CPU kernel"
+
+    def decode(self, query, kv_cache, rows: HsaRows, scale, out=None, sinks=None, quant=None):
+        assert out is None, "the FULL-graph layout runs the Triton kernels only"
+        s = self.settings
+        return hsa_decode(
+            query,
+            kv_cache,
+            self._kt(kv_cache),
+            self.kv_layout,
+            rows.block_table,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            rows.topr,
+            rows.num_select,
+            s.page_size,
+            scale,
+            s.force_current_page,
+            sinks=sinks,
+            quant=quant,
+        )

@@ -11,7 +11,8 @@ listed once per step by ``view_pages`` and shared by all layers.
 
 Stage 1's steps (``window_scores``, ``compact_kept_tokens``,
 ``write_kt_pages``) have the same signatures as ``ops.triton``'s; the flow
-that calls them is ``backend.stages.Stage1``.
+that calls them is ``ops.base.Stage1.compress``. ``TorchStage1`` and
+``TorchStage2`` are the stages the impl calls (``ops.base``'s interfaces).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from rocketkv_vllm.algorithm import softmax_with_sinks, window_attention_scores
 from rocketkv_vllm.cache_view import KVView, read_blocks_into, stored
-from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots
+from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots, split_kv
+from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2
 
 # ---- Stage 1 steps (one prompt)
 
@@ -294,3 +296,50 @@ def hsa_decode(
     )
     out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale, sinks)
     return out.to(query.dtype)
+
+
+# ---- the stages (``ops.base``'s interfaces)
+
+
+class TorchStage1(Stage1):
+    name = "PyTorch path"
+    window_scores = staticmethod(window_scores)
+    compact_kept_tokens = staticmethod(compact_kept_tokens)
+    write_kt_pages = staticmethod(write_kt_pages)
+
+
+class TorchStage2(Stage2):
+    name = "batched PyTorch path"
+
+    def prepare(self, rows: HsaRows) -> None:
+        s = self.settings
+        rows.prepared = view_pages(
+            rows.block_table,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            s.page_size,
+            s.block_size,
+            rows.max_pages,
+        )
+
+    def decode(self, query, kv_cache, rows: HsaRows, scale, out=None, sinks=None, quant=None):
+        assert out is None, "the FULL-graph layout runs the Triton kernels only"
+        s = self.settings
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
+        return hsa_decode(
+            query,
+            k_cache,
+            v_cache,
+            self._kt(kv_cache),
+            rows.block_table,
+            rows.seq_lens,
+            rows.prepared,
+            rows.topr,
+            rows.num_select,
+            rows.max_select,
+            s.page_size,
+            scale,
+            s.force_current_page,
+            sinks=sinks,
+        )

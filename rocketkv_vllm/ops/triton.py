@@ -7,9 +7,10 @@ d] (all four strides arbitrary, so K may be stored transposed per head block
 as in CPU_ATTN; ``layout.split_kv`` makes them from a vLLM cache), the KT
 cache as ``kt_cache`` (``layout.kt_cache_view``):
 
-* Stage 1's steps for one prompt (called by ``backend.stages.Stage1``, the
-  same signatures as ``ops.pytorch``'s): ``window_scores`` (2 Triton passes
-  + a few torch ops merging partial softmax statistics),
+* Stage 1's steps for one prompt (``TritonStage1``'s, the flow is
+  ``ops.base.Stage1.compress``; the same signatures as ``ops.pytorch``'s):
+  ``window_scores`` (2 Triton passes + a few torch ops merging partial
+  softmax statistics),
   ``compact_kept_tokens`` (1 launch), ``write_kt_pages`` (1 launch per
   region). They happen not to synchronise with the host either.
 * ``hsa_decode`` -- Stage 2, one decode token per row, all rows at once,
@@ -42,6 +43,9 @@ cache as ``kt_cache`` (``layout.kt_cache_view``):
   workspace and are reset by that program: CUDA-graph replays find them 0.
   No .item(), no data-dependent shapes: CUDA-graph capturable for fixed
   (B, max_pages, max_select).
+* ``TritonStage1``, ``TritonStage2`` -- the stages the impl calls
+  (``ops.base``'s interfaces): ``TritonStage2.decode`` takes ``HsaRows``
+  whole and runs eager batches in row chunks of ``SCRATCH_BYTES``.
 
 No vLLM import here: this module, ``kernels`` and their tests run with only
 torch + triton.
@@ -59,9 +63,14 @@ from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
 from rocketkv_vllm.kernels.hsa_score import ScorePlan, ScoreScratch, launch_score, launch_select
 from rocketkv_vllm.kernels.sparse_decode import AttentionPlan, AttentionScratch
 from rocketkv_vllm.kernels.window_scores import window_scores
+from rocketkv_vllm.layout import split_kv
+from rocketkv_vllm.ops import base
+from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2, scratch_bytes_per_row
 
 __all__ = [
     "DecodeWorkspace",
+    "TritonStage1",
+    "TritonStage2",
     "compact_kept_tokens",
     "decode_launches",
     "hsa_decode",
@@ -487,3 +496,99 @@ def hsa_decode(
         scratch=attn_scratch,
         plan=plan.attention,
     )
+
+
+# ---- the stages (``ops.base``'s interfaces)
+
+
+class TritonStage1(Stage1):
+    name = "Triton kernels"
+    window_scores = staticmethod(window_scores)
+    compact_kept_tokens = staticmethod(compact_kept_tokens)
+    write_kt_pages = staticmethod(write_kt_pages)
+
+
+class TritonStage2(Stage2):
+    name = "Triton kernels"
+    pow2_shapes = True
+
+    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
+        if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
+            return self._decode(query, kv_cache, rows, scale, out, sinks, quant)
+        per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
+        chunk = max(1, base.SCRATCH_BYTES // per_row)
+        if rows.workspace is not None:  # chunks the workspace serves
+            chunk = min(chunk, rows.workspace.rows)
+        batch = query.shape[0]
+        if batch <= chunk:
+            return self._decode(query, kv_cache, rows, scale, None, sinks, quant)
+        parts = [
+            self._decode(
+                query[a : a + chunk],
+                kv_cache,
+                rows.slice(a, a + chunk),
+                scale,
+                None,
+                sinks,
+                quant,
+            )
+            for a in range(0, batch, chunk)
+        ]
+        return torch.cat(parts)
+
+    def _decode(self, query, kv_cache, rows: HsaRows, scale, out, sinks, quant):
+        s = self.settings
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
+        return hsa_decode(
+            query,
+            k_cache,
+            v_cache,
+            self._kt(kv_cache),
+            rows.block_table,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            rows.topk,
+            rows.topr,
+            s.page_size,
+            scale,
+            rows.max_pages,
+            rows.max_select,
+            s.force_current_page,
+            out=out,
+            sinks=sinks,
+            workspace=rows.workspace,
+        )
+
+    def make_workspace(self, device, num_q_heads, num_kv_heads, head_dim, shapes):
+        """One ``DecodeWorkspace`` covering every shape (the FULL graph's,
+        the eager steps'): page logits, split partials, candidates,
+        selection, attention partials, merge counters."""
+        (rows, max_pages, max_select), *others = shapes
+        return DecodeWorkspace(
+            device,
+            rows,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            max_pages,
+            max_select,
+            self.settings.force_current_page,
+            also=others,
+        )
+
+    def reserve_scratch(
+        self,
+        device: torch.device,
+        max_rows: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        max_pages: int,
+    ) -> None:
+        """Take (and give back to torch's caching allocator) the most scratch
+        an eager step can use, so vLLM's memory profiling counts it."""
+        per_row = scratch_bytes_per_row(num_q_heads, num_kv_heads, max_pages)
+        nbytes = min(base.SCRATCH_BYTES, per_row * max_rows) if max_rows else 0
+        if nbytes and device.type == "cuda":
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            del scratch  # back to the allocator's cache, counted in the peak

@@ -1,0 +1,202 @@
+"""The two stages' interfaces and the rows Stage 2 reads, free of vLLM.
+
+``Stage1`` (SnapKV compaction of one prompt at the end of its prefill) and
+``Stage2`` (HSA decode over a batch of ``HsaRows``) are the classes the
+impl calls: ``stage1.compress(...)`` per prompt, ``stage2.decode(...)`` per
+step. Each implementation lives beside the launchers it calls:
+``ops.triton`` (``TritonStage1``, ``TritonStage2``), ``ops.cpu``
+(``CpuStage2``), ``ops.pytorch`` (``TorchStage1``, ``TorchStage2``);
+``backend.stages`` chooses one of each per engine.
+
+No vLLM import here (nor in any module of ``ops``): the stages and their
+tests run with only torch (+ triton for the Triton kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
+from rocketkv_vllm.fp8_kv import KVQuant
+from rocketkv_vllm.layout import kt_cache_view
+
+if TYPE_CHECKING:
+    from rocketkv_vllm.config import RocketKVSettings
+
+
+class Stage1:
+    """SnapKV compaction of one prompt on the paged cache: window scores,
+    kept positions, the per-head compaction, the KT pages of the view. The
+    three steps are an implementation's (its module's functions of the same
+    names); the choice of kept positions is the algorithm's own
+    (``algorithm.snapkv``)."""
+
+    name = ""
+
+    def window_scores(self, q_window, k_cache, block_row, n, scale, sinks=None):
+        raise NotImplementedError
+
+    def compact_kept_tokens(self, k_cache, v_cache, block_row, kept):
+        raise NotImplementedError
+
+    def write_kt_pages(self, k_cache, kt_cache, block_row, lo, hi, page_size):
+        raise NotImplementedError
+
+    def compress(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kt_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        q_window: torch.Tensor,
+        num_prompt_tokens: int,
+        prompt_budget: int,
+        tail_start: int,
+        kernel_size: int,
+        page_size: int,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Choose, compact, build KT for one request (its oracle:
+        ``paged.snapkv_compress``, same arguments; sinks: the layer's [Hq]
+        fp32 sink logits, in the window scores' softmax). Returns the kept
+        positions [Hkv, prompt_budget]; with prompt_budget >= the prompt
+        every position is kept and only the KT pages are written. Ties among
+        pooled scores may be broken differently by the Triton kernels than by
+        torch's CPU topk, so kept sets can differ on plateaus."""
+        n = int(num_prompt_tokens)
+        if prompt_budget >= n:  # rocketkv.evict=false: identity, KT pages only
+            self.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
+            return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
+        scores = self.window_scores(q_window, k_cache, block_row, n, scale, sinks=sinks)
+        kept = keep_positions_from_scores(
+            scores,
+            n,
+            prompt_budget,
+            kernel_size,
+            protect_from=min(n - q_window.shape[0], tail_start),
+        )
+        num_compact = prompt_budget - (n - tail_start)
+        self.compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
+        self.write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
+        self.write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
+        return kept
+
+
+@dataclass
+class HsaRows:
+    """Stage 2 rows of a step, one token each, the same for every layer:
+    each row's plan columns as device tensors."""
+
+    tokens: torch.Tensor  # [B] index of each row's token in the step
+    block_table: torch.Tensor  # [B, max_blocks]
+    num_compact: torch.Tensor  # [B] int32
+    tail_start: torch.Tensor
+    seq_lens: torch.Tensor  # including the token
+    topk: torch.Tensor
+    topr: torch.Tensor
+    num_select: torch.Tensor  # pages to select: plan.pages_selected(topk)
+    max_pages: int  # >= every row's view page count
+    max_select: int  # >= every num_select
+    # FULL CUDA graph layout (backend.graphs): row b is the step's token b,
+    # rows with seq_len 0 are not compressed, the result goes straight into
+    # the output (those rows keep the native backend's)
+    in_place: bool = False
+    prepared: Any = None  # what the implementation derived once per step
+    # Stage 2's preallocated scratch (``Stage2.make_workspace``: the builder
+    # makes one and hands it to every step; None: the call allocates)
+    workspace: Any = None
+
+    def slice(self, a: int, b: int) -> HsaRows:
+        """Rows [a, b) with the same bounds and workspace (not prepared)."""
+        return HsaRows(
+            tokens=self.tokens[a:b],
+            block_table=self.block_table[a:b],
+            num_compact=self.num_compact[a:b],
+            tail_start=self.tail_start[a:b],
+            seq_lens=self.seq_lens[a:b],
+            topk=self.topk[a:b],
+            topr=self.topr[a:b],
+            num_select=self.num_select[a:b],
+            max_pages=self.max_pages,
+            max_select=self.max_select,
+            workspace=self.workspace,
+        )
+
+
+class Stage2:
+    """Stage 2 for one decode token per row (its K/V already in the cache):
+    KT update, page choice, sparse attention."""
+
+    name = ""
+    # Triton only: fewer distinct launch shapes (kernel specializations).
+    pow2_shapes = False
+
+    def __init__(self, settings: RocketKVSettings, kv_layout: str) -> None:
+        self.settings = settings
+        self.kv_layout = kv_layout
+
+    def prepare(self, rows: HsaRows) -> None:
+        """Once per step, in the builder (shared by all layers)."""
+
+    def reserve_scratch(
+        self,
+        device: torch.device,
+        max_rows: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        max_pages: int,
+    ) -> None:
+        """During vLLM's memory profiling: take the scratch a step may need."""
+
+    def make_workspace(
+        self,
+        device: torch.device,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        shapes: list[tuple[int, int, int]],
+    ) -> Any:
+        """Once per engine, in the builder: the scratch every step's
+        ``decode`` reuses (``HsaRows.workspace``), for launches up to each
+        (rows, max_pages, max_select) of ``shapes``; None where the
+        implementation needs none."""
+        return None
+
+    def decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        rows: HsaRows,
+        scale: float,
+        out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        quant: KVQuant | None = None,
+    ) -> torch.Tensor:
+        """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
+        layout) rows with seq_len 0 are left as they are. sinks: the layer's
+        [Hq] fp32 sink logits (``algorithm.sinks``), or None; quant: the
+        layer's fp8 format and scales when the cache holds fp8 codes."""
+        raise NotImplementedError
+
+    def _kt(self, kv_cache):
+        return kt_cache_view(kv_cache, self.settings.page_size, self.settings.kt_dtype)
+
+
+# Scratch (page logits and probabilities, fp32) an eager Stage 2 call may
+# take at once; larger batches run in row chunks. vLLM's memory profiling
+# sees it: ROCKETKV takes it during the profiling run (``reserve_scratch``).
+# The builder's workspace (``make_workspace``) holds this much for eager
+# steps, or what the FULL graph's shape needs (made during the capture
+# warm-up runs, as the graph-pool scratch was before).
+SCRATCH_BYTES = 256 << 20
+
+
+def scratch_bytes_per_row(num_q_heads: int, num_kv_heads: int, max_pages: int) -> int:
+    """Bytes of Stage 2 scratch per decode row: fp32 logits per query head and
+    probabilities per KV head for every page (``kernels.hsa_score``), plus as
+    much again per KV head for the split partials and the selection."""
+    return 4 * (num_q_heads + 2 * num_kv_heads) * max_pages
