@@ -81,7 +81,8 @@ def kernel_budget(
       cut (176 of 256 channels) found 15 of 32 needles where every channel
       found 32 of 32, at the same prompt budget and top-k (docs/results.md,
       2026-12-05); TensorRT-LLM's RocketKV also defaults to the head dim. The
-      kernels read whole KT rows either way, so it costs no bytes.
+      chosen channels are scattered, so the Triton kernels' loads touch
+      most of a KT row either way; the counted cost is ~d / cut more KT.
 
     Without one, the explicit knobs as given (top-r resolved: the whole head
     when none, ``resolve_settings``), page size ``DEFAULT_PAGE_SIZE`` (at most
@@ -118,6 +119,16 @@ def split_token_budget(
     return BudgetSplit(
         cap - max_new_tokens, token_budget // 2, page_size, _topr(head_dim, page_size, ratio, 1)
     )
+
+
+def spec_topr(
+    token_budget: int, num_prompt_tokens: int, max_new_tokens: int, head_dim: int, page_size: int
+) -> int:
+    """SPEC §1's top-r for pages of ``page_size``, in 16-channel lanes within
+    [16, head_dim]: what ``kernel_budget`` ran with before it kept every
+    channel (issue 40); for comparisons (``rocketkv_eval.accuracy``)."""
+    _, ratio = _compression(token_budget, num_prompt_tokens, max_new_tokens)
+    return _topr(head_dim, page_size, ratio, 16)
 
 
 def prompt_budget_floor(window_size: int, block_size: int) -> int:

@@ -21,15 +21,15 @@ def _all(head_dim):
     return {m: mod.method_settings(m, B, T, head_dim=head_dim, length=L) for m in mod.ABLATIONS}
 
 
-# Split at B=256, L=8192: prompt budget 1432, page 4, top-k 128; top-r 176
-# of 256 (Gemma 3 270M) or 48 of 64 (SmolLM2).
+# Split at B=256, L=8192: prompt budget 1432, page 4, top-k 128; top-r the
+# head dim; SPEC's cut: 176 of 256 (Gemma 3 270M) or 48 of 64 (SmolLM2).
 EXPECTED = {
     256: {
-        "rocketkv_explicit": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 176},
-        "rocketkv_topr_full": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 256},
-        "rocketkv_topk_x2": {"prompt_budget": 1432, "page_size": 4, "topk": 256, "topr": 176},
+        "rocketkv_explicit": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 256},
+        "rocketkv_topr_spec": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 176},
+        "rocketkv_topk_x2": {"prompt_budget": 1432, "page_size": 4, "topk": 256, "topr": 256},
         "rocketkv_ps8": {"prompt_budget": 1432, "page_size": 8, "topk": 128, "topr": 256},
-        "rocketkv_ps2": {"prompt_budget": 1432, "page_size": 2, "topk": 128, "topr": 96},
+        "rocketkv_ps2": {"prompt_budget": 1432, "page_size": 2, "topk": 128, "topr": 256},
         "rocketkv_stage1_only": {
             "prompt_budget": 1432,
             "page_size": 4,
@@ -41,16 +41,16 @@ EXPECTED = {
             "evict": False,
             "page_size": 4,
             "topk": 128,
-            "topr": 176,
+            "topr": 256,
             "force_current_page": True,
         },
     },
     64: {
-        "rocketkv_explicit": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 48},
-        "rocketkv_topr_full": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 64},
-        "rocketkv_topk_x2": {"prompt_budget": 1432, "page_size": 4, "topk": 256, "topr": 48},
+        "rocketkv_explicit": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 64},
+        "rocketkv_topr_spec": {"prompt_budget": 1432, "page_size": 4, "topk": 128, "topr": 48},
+        "rocketkv_topk_x2": {"prompt_budget": 1432, "page_size": 4, "topk": 256, "topr": 64},
         "rocketkv_ps8": {"prompt_budget": 1432, "page_size": 8, "topk": 128, "topr": 64},
-        "rocketkv_ps2": {"prompt_budget": 1432, "page_size": 2, "topk": 128, "topr": 16},
+        "rocketkv_ps2": {"prompt_budget": 1432, "page_size": 2, "topk": 128, "topr": 64},
         "rocketkv_stage1_only": {
             "prompt_budget": 1432,
             "page_size": 4,
@@ -62,7 +62,7 @@ EXPECTED = {
             "evict": False,
             "page_size": 4,
             "topk": 128,
-            "topr": 48,
+            "topr": 64,
             "force_current_page": True,
         },
     },
@@ -113,9 +113,9 @@ def test_kept_tokens():
 def test_ablations_need_one_length():
     mod = _acc()
     with pytest.raises(ValueError, match="head dim and the prompt length"):
-        mod.method_settings("rocketkv_topr_full", B, T)
+        mod.method_settings("rocketkv_topr_spec", B, T)
     with pytest.raises(SystemExit, match="single --lengths"):
-        mod.main(["--methods", "rocketkv_topr_full", "--lengths", "4096,8192"])
+        mod.main(["--methods", "rocketkv_topr_spec", "--lengths", "4096,8192"])
 
 
 def test_model_head_dim(tmp_path):

@@ -37,7 +37,7 @@ at token budget B (tokens attended per decode step):
 Ablations of ``rocketkv`` (issue 40: which part of the split costs answers at
 small budgets). Each is built from ``budget.kernel_budget``'s numbers for
 the run's prompt length L (page size p, prompt budget P, top-k K = B/2 in
-whole pages, top-r R; block size ``ABLATION_BLOCK_SIZE``, which only caps the
+whole pages, top-r R = d since 2470628; block size ``ABLATION_BLOCK_SIZE``, which only caps the
 page size and floors P) and the model's head dim d (its config.json), so they
 need a single --lengths value (refused otherwise). Not in the default grid.
 
@@ -45,14 +45,18 @@ need a single --lengths value (refused otherwise). Not in the default grid.
   "topr": R}`` (force_current_page and evict as ``rocketkv``: true): the
   same numbers as explicit knobs; must reproduce ``rocketkv`` (a sanity
   check of the ablations' construction).
-- ``rocketkv_topr_full``: as explicit, top-r = d (every channel scores).
+- ``rocketkv_topr_spec``: as explicit, top-r = SPEC §1's channel cut in
+  16-channel lanes (``budget.spec_topr``: 176 of 256 at B = 256, L = 8192),
+  what ``rocketkv`` ran with before 2470628. (The results of 2026-12-04/05,
+  run before that commit, have ``rocketkv``, ``rocketkv_topk_x2``,
+  ``rocketkv_ps2`` and ``rocketkv_stage2_only`` with that cut, and a
+  ``rocketkv_topr_full`` = today's ``rocketkv``: each row's settings are in
+  its JSON.)
 - ``rocketkv_topk_x2``: as explicit, Stage 2's top-k = B in whole pages
   (twice the split's B/2).
-- ``rocketkv_ps8`` / ``rocketkv_ps2``: page size 8 / 2, with top-k and
-  top-r rescaled as ``kernel_budget`` does for that page size (top-k stays
-  B/2 in whole pages; top-r = the channels for that page size at the split's
-  compression ratio, e.g. 256 / 96 for d = 256 at B = 256, L = 8192); P is
-  unchanged (it does not depend on the page size).
+- ``rocketkv_ps8`` / ``rocketkv_ps2``: page size 8 / 2, top-k as
+  ``kernel_budget`` gives it for that page size (B/2 in whole pages), top-r
+  = d; P is unchanged (it does not depend on the page size).
 - ``rocketkv_stage1_only``: Stage 1 with the split's P, Stage 2 attends to
   everything kept (as ``snapkv``: top-k >= P + T + two pages of slack, no
   forced page, top-r = d).
@@ -120,7 +124,7 @@ Ablation run (issue 40; docs/results.md):
 
     python scripts/eval_accuracy.py --model gemma3-270m --tasks niah_single \
         --lengths 8192 --max-model-len 8208 --budgets 256 --samples 32 \
-        --dtype bfloat16 --methods rocketkv,rocketkv_topr_full,... --resume \
+        --dtype bfloat16 --methods rocketkv,rocketkv_topr_spec,... --resume \
         --out results/ablation-gemma3-270m-cpu.json
 """
 
@@ -148,7 +152,7 @@ from rocketkv_eval.model import MODEL_HELP, model_tag  # noqa: E402
 
 ABLATIONS = (
     "rocketkv_explicit",
-    "rocketkv_topr_full",
+    "rocketkv_topr_spec",
     "rocketkv_topk_x2",
     "rocketkv_ps8",
     "rocketkv_ps2",
@@ -217,7 +221,7 @@ def ablation_settings(method: str, budget: int, max_tokens: int, head_dim: int, 
     ``kernel_budget``'s split of ``budget`` for a ``length``-token prompt."""
     from dataclasses import replace
 
-    from rocketkv_vllm.budget import kernel_budget
+    from rocketkv_vllm.budget import kernel_budget, spec_topr
     from rocketkv_vllm.config import parse_config
 
     knobs = parse_config({"token_budget": budget, "max_new_tokens": max_tokens})
@@ -232,8 +236,8 @@ def ablation_settings(method: str, budget: int, max_tokens: int, head_dim: int, 
     explicit = {"prompt_budget": kb.prompt_budget, "page_size": p, "topk": kb.topk, "topr": kb.topr}
     if method == "rocketkv_explicit":
         return explicit
-    if method == "rocketkv_topr_full":
-        return {**explicit, "topr": head_dim}
+    if method == "rocketkv_topr_spec":
+        return {**explicit, "topr": spec_topr(budget, length, max_tokens, head_dim, p)}
     if method == "rocketkv_topk_x2":
         return {**explicit, "topk": split(token_budget=2 * budget).topk}
     if method in ("rocketkv_ps8", "rocketkv_ps2"):
