@@ -10,7 +10,7 @@ Each decode row b has its new token at logical slot pos = seq_lens[b] - 1.
 The KT page holding pos is recomputed from the keys of slots
 [page_start, pos] (page_start = pos - pos % page_size), exactly like
 ``ops.pytorch.write_kt_pages(k_cache, kt, row, page_start, seq_len, page_size)``
-in ``paged.hsa_decode``. Grid (B, Hkv): one program loads page_size x d keys
+in ``tests/reference/paged.hsa_decode``. Grid (B, Hkv): one program loads page_size x d keys
 and writes 2d min/max values (a uint8 KT cache: the page's fp8 row of
 ``algorithm.kt_fp8``, encoded from the recomputed min/max). Rows with
 seq_lens[b] <= 0 (CUDA-graph padding) do nothing.

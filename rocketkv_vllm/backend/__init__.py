@@ -3,7 +3,7 @@
 As vLLM's own backends, one backend is a class with its capabilities
 (here), its metadata and builder (``metadata``), and its impl (``impl``).
 Everything dense runs in vLLM's own backend for the platform (``native``);
-ROCKETKV adds Stage 1 and Stage 2 (``stages``), and lays decode steps out
+ROCKETKV adds Stage 1 and Stage 2 (``ops``, chosen in ``stages``), and lays decode steps out
 for FULL CUDA graphs on NVIDIA (``graphs``).
 """
 

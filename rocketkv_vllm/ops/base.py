@@ -61,7 +61,7 @@ class Stage1:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Choose, compact, build KT for one request (its oracle:
-        ``paged.snapkv_compress``, same arguments; sinks: the layer's [Hq]
+        ``tests/reference/paged.snapkv_compress``, same arguments; sinks: the layer's [Hq]
         fp32 sink logits, in the window scores' softmax). Returns the kept
         positions [Hkv, prompt_budget]; with prompt_budget >= the prompt
         every position is kept and only the KT pages are written. Ties among

@@ -5,7 +5,7 @@ lives under ``tests/``, out of the wheel.
 Stage 1 (``snapkv_compress``) and Stage 2 (``hsa_decode``) for one request,
 written for clarity with host syncs and per-request loops; ``hsa_decode_rows``
 runs a batch row by row. The engine never calls this module: it runs
-``backend.stages`` over ``ops``. Layout and views: ``layout``.
+the Stage classes of ``ops`` (chosen by ``backend.stages``). Layout and views: ``layout``.
 """
 
 from __future__ import annotations
