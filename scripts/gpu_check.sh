@@ -49,7 +49,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 unset TRITON_INTERPRET # the real Triton backend: CUDA
 
 # -- the checkout importable (rocketkv_vllm, rocketkv_eval) and its entry points visible: $EP
-. scripts/gpu_entry_points.sh || exit 2
+. scripts/gpu_host.sh || exit 2
 export PYTHONPATH=$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}
 
 {
@@ -59,24 +59,6 @@ export PYTHONPATH=$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}
 } >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 
-FAILED=0
-step() { # step NAME LIMIT_S COMMAND...: log to $OUT/NAME.log, a line to summary.txt
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  if [ "$limit" = 0 ]; then
-    printf '%-14s skipped\n' "$name" | tee -a "$OUT/summary.txt"
-    return 0
-  fi
-  echo "\$ $(printf '%q ' "$@")  (limit ${limit}s)" > "$OUT/$name.log"
-  timeout -k 15 "$limit" "$@" >> "$OUT/$name.log" 2>&1
-  rc=$?
-  printf '%-14s exit %-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
-  if [ "$rc" != 0 ]; then
-    FAILED=1
-    tail -n 30 "$OUT/$name.log" | sed "s/^/  $name| /"
-  fi
-  return "$rc"
-}
 
 if [ -z "${ROCKETKV_GPU_MODEL:-}" ] && [ -f "$MODEL_DIR/config.json" ]; then
   export ROCKETKV_GPU_MODEL=$MODEL_DIR # rebuilt by an earlier part

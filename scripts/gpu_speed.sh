@@ -22,25 +22,13 @@ OUT=${OUT:-results/gpu-speed}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-. scripts/gpu_entry_points.sh || exit 2
+. scripts/gpu_host.sh || exit 2
 "$PY" -c 'import torch; assert torch.cuda.is_available()' 2> /dev/null \
   || { echo "gpu_speed: torch sees no CUDA device"; exit 2; }
 {
   echo "# gpu_speed $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2> /dev/null || echo '?')"
   echo "# card: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
 } > "$OUT/summary.txt"
-FAILED=0
-step() { # step NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  [ "$limit" = 0 ] && { printf '%-15s skipped\n' "$name" | tee -a "$OUT/summary.txt"; return 0; }
-  echo "\$ $(printf '%q ' "$@")  (limit ${limit}s)" > "$OUT/$name.log"
-  timeout -k 15 "$limit" "$@" >> "$OUT/$name.log" 2>&1
-  rc=$?
-  printf '%-15s exit %-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
-  [ "$rc" != 0 ] && { FAILED=1; tail -n 20 "$OUT/$name.log" | sed "s/^/  $name| /"; }
-  return 0
-}
 K=${GPU_SPEED_KERNELS_S:-150}
 step kernels "$K" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" "$PY" \
   scripts/bench_kernels.py --configs preset=trtllm --methods dense_flash_attn,rocketkv,rocketkv_legacy \
