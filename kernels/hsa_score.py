@@ -119,7 +119,14 @@ def _n_use(topk_ptr, b, num_pages, num_sel, extra, PS: tl.constexpr):
     return tl.minimum(tl.minimum(n_want, num_pages), num_sel)
 
 
-@triton.jit
+# The block table's row stride is vLLM's (its table width, per runner), so a
+# warm-up cannot know whether it is a multiple of 16: not specialized (one
+# multiply a row), so Stage 2 compiles the same whatever vLLM's width
+# (``backend.warmup.warm_up_stage2``).
+STAGE2_UNSPECIALIZED = ["stride_bt"]
+
+
+@triton.jit(do_not_specialize=STAGE2_UNSPECIALIZED)
 def _score_kernel(
     q_ptr,
     kt_ptr,

@@ -245,7 +245,11 @@ def _merge_partials(
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+# vLLM's block-table width: see ``hsa_score.STAGE2_UNSPECIALIZED``.
+STAGE2_UNSPECIALIZED = ["stride_bt"]
+
+
+@triton.jit(do_not_specialize=STAGE2_UNSPECIALIZED)
 def _sparse_decode_kernel(
     q_ptr,
     k_ptr,
@@ -505,6 +509,12 @@ class AttentionScratch:
         )
 
 
+def compute_dtype(query_dtype: torch.dtype, k_cache: torch.Tensor, fp8) -> torch.dtype:
+    """What the attention dots run in: the cache's dtype, or with an fp8
+    cache (codes) the query's."""
+    return query_dtype if fp8 else k_cache.dtype
+
+
 def _prepare(query, k_cache, v_cache, out, sinks=None, fp8=0):
     hkv, bs, d = check_kv_cache(k_cache, v_cache)
     batch, hq, dq = query.shape
@@ -512,8 +522,7 @@ def _prepare(query, k_cache, v_cache, out, sinks=None, fp8=0):
     if sinks is not None:
         assert sinks.shape == (hq,), f"sinks must be [num_q_heads={hq}], got {tuple(sinks.shape)}"
         sinks = sinks.float().contiguous()  # no copy for the usual fp32 vector
-    if not fp8 and query.dtype != k_cache.dtype:  # fp8: the query's dtype computes
-        query = query.to(k_cache.dtype)
+    query = query.to(compute_dtype(query.dtype, k_cache, fp8))
     if query.stride(-1) != 1:
         query = query.contiguous()
     if out is None:  # zeros: padding rows (seq_len <= 0) are never written

@@ -25,7 +25,6 @@ from typing import Any
 import yaml
 
 from rocketkv_vllm.budget import kernel_budget, prompt_budget_floor
-from rocketkv_vllm.budget import pow2_at_least as pow2_at_least  # for backend/
 
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")

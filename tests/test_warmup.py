@@ -27,7 +27,12 @@ import triton  # noqa: E402
 
 from rocketkv_vllm.backend.warmup import dummy_prompt, warm_up_stage1  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
-from rocketkv_vllm.kernels import compact, window_scores  # noqa: E402
+from rocketkv_vllm.kernels import (  # noqa: E402
+    compact,
+    hsa_score,
+    sparse_decode,
+    window_scores,
+)
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
 from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 from rocketkv_vllm.plan import plan_request  # noqa: E402
@@ -80,11 +85,10 @@ def _compile_key(kernel, args, kwargs) -> tuple:
     return (*key, launch_kw)
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Compile keys of the Stage 1 kernels' launches, in order."""
+def _record(monkeypatch, kernels) -> list[tuple]:
+    """Compile keys of these kernels' launches, in order."""
     seen: list[tuple] = []
-    for kernel, _ in STAGE1_KERNELS.values():
+    for kernel in kernels:
         original = kernel.run
 
         def run(*args, _k=kernel, _run=original, **kwargs):
@@ -93,6 +97,12 @@ def launches(monkeypatch):
 
         monkeypatch.setattr(kernel, "run", run)
     return seen
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Compile keys of the Stage 1 kernels' launches, in order."""
+    return _record(monkeypatch, [kernel for kernel, _ in STAGE1_KERNELS.values()])
 
 
 def _engine_cache(num_blocks, hkv, d, bs, dtype, page_size, kt_dtype, seed=0):
@@ -190,6 +200,76 @@ def test_per_prompt_arguments_name_kernel_parameters():
         assert _do_not_specialize(kernel) == names, name
 
 
+# --------------------------------------------------------------------------
+# Stage 2: eager decode steps (a prompt chunk beside decodes, enforce_eager)
+
+STAGE2_KERNELS = {
+    "_score_kernel": hsa_score._score_kernel,
+    "_select_kernel": hsa_score._select_kernel,
+    "_sparse_decode_kernel": sparse_decode._sparse_decode_kernel,
+}
+
+
+def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkeypatch):
+    """Stage 2 steps built by the metadata builder for the eager path (batches
+    of 1 to 9 compressed rows, a request with its own larger budget among
+    them) launch only keys ``warm_up_stage2`` launched. The GPU is a 6-SM
+    one here, so the split counts (and with them the constexprs) change
+    with the batch as on an H200, at grids the interpreter can run."""
+    import test_builder as tb
+
+    from rocketkv_vllm.backend.warmup import warm_up_stage2
+
+    for module in (hsa_score, sparse_decode):
+        monkeypatch.setattr(module, "num_sms", lambda device: 6)
+    max_model_len = 2048
+    b = tb._make_builder(model_path, {"token_budget": 256, "kernel": "triton"}, max_model_len)
+    assert b.stage2.fixed_shapes and b.graph is None
+    s = b.settings
+    table = torch.zeros(9, 512, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    prompts = {0: 1800, 1: 700, 2: 1100}
+    kv, _, _, _ = tb._compressed_requests(s, prompts, table, gen)
+    hq, scale = tb.HKV * tb.G, tb.D**-0.5
+    seen = _record(monkeypatch, STAGE2_KERNELS.values())
+    calls = warm_up_stage2(
+        b.stage2,
+        kv,
+        quant=None,
+        settings=s,
+        max_model_len=max_model_len,
+        max_rows=b.vllm_config.scheduler_config.max_num_seqs,
+        num_q_heads=hq,
+        query_dtype=torch.float32,
+        scale=scale,
+        sinks=None,
+    )
+    warm = set(seen)
+    assert {k[0] for k in warm} == set(STAGE2_KERNELS)
+    assert calls >= 4, f"{calls} distinct eager shapes: the case does not vary the plan"
+    seen.clear()
+
+    slot = 0
+    for batch in (1, 2, 3, 5, 9):
+        lengths = [list(prompts.values())[i % 3] for i in range(batch)]
+        for i in range(batch):  # rows share the three compressed requests' blocks
+            table[i] = table[i % 3]
+        slots = list(range(slot, slot + batch))
+        slot += batch
+        budgets = [1024 if batch == 9 and i == 3 else None for i in range(batch)]
+        tb._v2_new_requests(b, list(zip(slots, lengths)), budgets)
+        cm = tb._cm(b, [(n, 1, n) for n in lengths], table, req_idx=slots)
+        rows = b.build(0, cm).decode
+        assert rows is not None and not rows.in_place and rows.seq_lens.numel() == batch
+        query = torch.randn(batch, hq, tb.D, generator=gen)
+        b.stage2.decode(query[rows.tokens], kv, rows, scale)
+    real = set(seen)
+    assert {k[0] for k in real} == set(STAGE2_KERNELS)
+    assert len(real) >= 6, f"{len(real)} keys: the steps did not vary the plan"
+    missing = real - warm
+    assert not missing, f"compiled during inference: {sorted(missing, key=str)[:2]}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
 def test_no_compile_after_warm_up_on_cuda():
@@ -241,6 +321,85 @@ def test_no_compile_after_warm_up_on_cuda():
         )
     torch.cuda.synchronize()
     assert compiled() == before, f"{compiled() - before} Stage 1 kernels compiled after warm-up"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
+def test_no_stage2_compile_after_warm_up_on_cuda():
+    """On CUDA: after ``warm_up_stage2``, eager Stage 2 calls of 1 to 8
+    compressed rows (laid out as the builder lays them out, one with a
+    larger own budget) compile no Stage 2 kernel. (Up to 8 rows: an engine
+    warms up to max_num_seqs; here each distinct plan costs a compile.)"""
+    from rocketkv_vllm.backend import graphs
+    from rocketkv_vllm.backend.warmup import warm_up_stage2
+    from rocketkv_vllm.ops.base import HsaRows
+    from rocketkv_vllm.ops.triton import TritonStage2
+    from rocketkv_vllm.plan import pages_selected
+
+    hkv, g, d, bs, dtype, mml = 8, 4, 128, 16, torch.bfloat16, 8192
+    settings = resolve_settings(parse_config({"token_budget": 256}), bs, d, mml)
+    kv_cache = _engine_cache(1200, hkv, d, bs, dtype, settings.page_size, "auto")
+    stage2 = TritonStage2(settings, "token")
+    hq, scale = hkv * g, d**-0.5
+    warm_up_stage2(
+        stage2,
+        kv_cache,
+        quant=None,
+        settings=settings,
+        max_model_len=mml,
+        max_rows=8,
+        num_q_heads=hq,
+        query_dtype=dtype,
+        scale=scale,
+        sinks=None,
+    )
+
+    def compiled() -> int:
+        return sum(
+            len(cache[0]) for k in STAGE2_KERNELS.values() for cache in k.device_caches.values()
+        )
+
+    before = compiled()
+    assert before >= len(STAGE2_KERNELS)
+    shape = graphs.shape_for(settings, mml, 1)
+    gen = torch.Generator().manual_seed(0)
+    for batch in (1, 2, 3, 5, 6, 7, 8):
+        lengths = torch.randint(400, mml - 8, (batch,), generator=gen).tolist()
+        plans = [plan_request(settings, n, 1024 if i == 2 else None) for i, n in enumerate(lengths)]
+        cols = torch.zeros(7, graphs.aligned_rows(batch), dtype=torch.int32)
+        for i, (n, p) in enumerate(zip(lengths, plans)):
+            cols[:, i] = torch.tensor(
+                [
+                    p.num_compact,
+                    p.tail_start,
+                    n + 1,
+                    p.topk,
+                    p.topr,
+                    pages_selected(p.topk, settings.page_size),
+                    0,
+                ]
+            )
+        cols = cols.to(DEVICE)
+        max_select = int(cols[5, :batch].max())
+        max_pages, max_select = graphs.eager_bounds(shape, max_select)
+        rows = HsaRows(
+            tokens=torch.arange(batch, device=DEVICE),
+            block_table=torch.randint(1, 1200, (batch, 512), generator=gen, dtype=torch.int32).to(
+                DEVICE
+            ),
+            num_compact=cols[0, :batch],
+            tail_start=cols[1, :batch],
+            seq_lens=cols[2, :batch],
+            topk=cols[3, :batch],
+            topr=cols[4, :batch],
+            num_select=cols[5, :batch],
+            max_pages=max_pages,
+            max_select=max_select,
+        )
+        query = torch.randn(batch, hq, d, device=DEVICE, dtype=dtype)
+        stage2.decode(query, kv_cache, rows, scale)
+    torch.cuda.synchronize()
+    assert compiled() == before, f"{compiled() - before} Stage 2 kernels compiled after warm-up"
 
 
 _ = triton  # imported for its side effect: the interpreter decided above

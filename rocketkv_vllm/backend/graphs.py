@@ -15,6 +15,9 @@ the way the capture did (``metadata.RocketKVMetadataBuilder``):
   Their loops are bounded by each row's own page count, so the work follows
   the batch, not ``max_model_len``; the page-score scratch is sized by it.
 
+Eager steps launch at the same shape (``eager_bounds``), so that the engine
+start can compile every specialization they use (``backend.warmup``).
+
 What a graph cannot do, the runner is kept from replaying one for
 (``GraphGuard.needs_eager``, called by the runner hooks in
 ``vllm_patches``): a step holding a one-token prompt chunk (Stage 1 and the
@@ -54,6 +57,25 @@ def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> Deco
         settings, max_model_len, head_dim=settings.head_dim, block_size=settings.block_size
     )
     return DecodeGraphShape(rows, max_pages, min(budget.pages_selected, max_pages))
+
+
+def eager_bounds(shape: DecodeGraphShape, num_select: int) -> tuple[int, int]:
+    """(max_pages, max_select) of an eager Stage 2 call with the Triton
+    kernels: the engine's launch shape whatever the step's rows, or, when a
+    request's own budget selects more than it holds, every view page. The
+    kernels' specializations then depend on the batch size alone, so the
+    warm-up can compile each one an eager step can launch
+    (``backend.warmup.warm_up_stage2``); the loops are bounded by each row's
+    own pages, so the work follows the rows, as in the FULL graphs."""
+    if shape.takes(num_select):
+        return shape.max_pages, shape.max_select
+    return shape.max_pages, shape.max_pages
+
+
+def aligned_rows(n: int) -> int:
+    """Per-row int32 columns padded to this many entries start 16 bytes
+    apart (Triton specializes on a pointer's 16-byte alignment)."""
+    return -(-max(1, int(n)) // 4) * 4
 
 
 class GraphBuffers:

@@ -17,7 +17,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionTy
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import NativeQuery, native_for_config
 from rocketkv_vllm.backend.stages import stage1_for, stage2_for
-from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
+from rocketkv_vllm.config import settings_for, test_aids_for
 from rocketkv_vllm.fp8_kv import LARGE_CODE, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.ops.base import HsaRows
@@ -139,10 +139,10 @@ class RocketKVImpl(AttentionImpl):
             self.settings.window_size, vllm_config.scheduler_config.max_num_seqs
         )
         # The largest eager Stage 2 call: every running request, each with the
-        # most view pages (rounded as the builder rounds for Triton).
+        # most view pages (the Triton kernels' fixed eager shape).
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
-        self.max_pages = pow2_at_least(
-            max_view_pages(vllm_config.model_config.max_model_len, self.settings.page_size)
+        self.max_pages = max_view_pages(
+            vllm_config.model_config.max_model_len, self.settings.page_size
         )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

@@ -35,7 +35,7 @@ from vllm.v1.attention.backend import (
 from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.backend.native import native_for_config, native_for_layers
 from rocketkv_vllm.backend.stages import stage2_for, uses_triton
-from rocketkv_vllm.config import pow2_at_least, settings_for, test_aids_for
+from rocketkv_vllm.config import settings_for, test_aids_for
 from rocketkv_vllm.ops.base import SCRATCH_BYTES, HsaRows, scratch_bytes_per_row
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
 from rocketkv_vllm.state import PromptLengths, worker_state
@@ -148,6 +148,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         # graph decision) and handed to every step: no per-step allocation
         self._workspace_ready = False
         self.workspace = None
+        self._shape: graphs.DecodeGraphShape | None = None
 
     # -- the step -----------------------------------------------------------
 
@@ -332,18 +333,20 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         """Stage 2 rows: batch rows, each one's token index in the step and
         seq_len including that token. One host-to-device copy."""
         columns = self._columns(rows, tokens, seq_lens, plans)
-        col = self._staged(columns).to(block_table.device, non_blocking=True)
+        c = self._device_columns(columns, block_table.device)
         host = dict(zip(_HSA_COLUMNS, columns.astype(np.int64)))
-        max_pages = int(
-            view_pages(
-                host["num_compact"], host["tail_start"], host["seq_len"], self.settings.page_size
-            ).max()
-        )
         max_select = int(host["num_select"].max())
-        if self.stage2.pow2_shapes:
-            max_pages = pow2_at_least(max_pages)
-            max_select = pow2_at_least(max_select)
-        c = dict(zip(_HSA_COLUMNS, col))
+        if self.stage2.fixed_shapes:
+            max_pages, max_select = graphs.eager_bounds(self._engine_shape(), max_select)
+        else:
+            max_pages = int(
+                view_pages(
+                    host["num_compact"],
+                    host["tail_start"],
+                    host["seq_len"],
+                    self.settings.page_size,
+                ).max()
+            )
         hsa = HsaRows(
             tokens=c["token"].long(),
             block_table=block_table[c["row"].long()],
@@ -360,23 +363,37 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self.stage2.prepare(hsa)
         return hsa
 
+    def _device_columns(self, columns: np.ndarray, device) -> dict[str, torch.Tensor]:
+        """The columns on the device, one copy, each column's start 16-byte
+        aligned whatever the row count (Triton specializes a kernel on the
+        alignment of its pointers: ``backend.warmup``)."""
+        n = columns.shape[1]
+        padded = np.zeros((columns.shape[0], graphs.aligned_rows(n)), dtype=np.int32)
+        padded[:, :n] = columns
+        col = self._staged(padded).to(device, non_blocking=True)
+        return {name: col[i, :n] for i, name in enumerate(_HSA_COLUMNS)}
+
+    def _engine_shape(self) -> graphs.DecodeGraphShape:
+        if self._shape is None:
+            self._shape = graphs.shape_for(
+                self.settings, self.vllm_config.model_config.max_model_len, 1
+            )
+        return self._shape
+
     def _workspace(self):
         """Stage 2's workspace (``Stage2.make_workspace``), made at the
         first Stage 2 step for the FULL graph's launch shape and for the
-        eager steps' (their row chunks of ``SCRATCH_BYTES``, pages and
-        selection rounded to powers of two as ``_hsa_rows`` rounds them)."""
+        eager steps' (their row chunks of ``SCRATCH_BYTES``, at the engine's
+        shape: ``graphs.eager_bounds``)."""
         if self._workspace_ready:
             return self.workspace
         self._workspace_ready = True
         spec, config = self.kv_cache_spec, self.vllm_config
         num_q_heads = config.model_config.get_num_attention_heads(config.parallel_config)
-        s = self.settings
         # the engine's largest view and selection (a request's own budget may
         # select more: such a step allocates its scratch)
-        widest = graphs.shape_for(s, config.model_config.max_model_len, 1)
+        widest = self._engine_shape()
         max_pages, max_select = widest.max_pages, widest.max_select
-        if self.stage2.pow2_shapes:
-            max_pages, max_select = pow2_at_least(max_pages), pow2_at_least(max_select)
         per_row = scratch_bytes_per_row(num_q_heads, spec.num_kv_heads, max_pages)
         rows = min(config.scheduler_config.max_num_seqs, max(1, SCRATCH_BYTES // per_row))
         shapes = [(rows, max_pages, max_select)]

@@ -1,4 +1,4 @@
-"""Stage 1's kernels compiled at engine start, not on the first long prompt.
+"""ROCKETKV's kernels compiled at engine start, not during inference.
 
 Stage 1 runs only at the end of a long prompt's prefill, which vLLM's own
 warm-up (dummy batches, CUDA graph capture) never reaches: without this, the
@@ -13,6 +13,13 @@ that changes from prompt to prompt unspecialized (their
 dummy compaction per distinct layer shape compiles every variant the engine
 can launch. ``tests/test_warmup.py`` checks that claim key by key.
 
+Stage 2: FULL CUDA graphs compile their launches at capture, but steps
+that run eagerly (a prompt chunk beside decodes, ``enforce_eager``, batches
+past the largest graph) would compile a variant for each new batch size.
+Eager calls launch at the engine's shape (``graphs.eager_bounds``), so their
+specializations depend on the row count only; ``warm_up_stage2`` launches
+one call of padding rows for each distinct one (``DecodePlan.compile_key``).
+
 The dummy prompt lives in vLLM's null block (block 0, never handed to a
 request): its K/V and KT page there are scratch that nothing reads.
 """
@@ -24,8 +31,10 @@ import time
 import torch
 from vllm.logger import init_logger
 
+from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.config import RocketKVSettings
 from rocketkv_vllm.layout import kt_cache_view, split_kv
+from rocketkv_vllm.ops.base import HsaRows
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -84,15 +93,77 @@ def warm_up_stage1(
     )
 
 
+def padding_rows(batch: int, max_pages: int, max_select: int, device) -> HsaRows:
+    """``batch`` Stage 2 rows that are all padding (seq_len 0: the kernels
+    launch and skip them), their vectors laid out as the builder lays a
+    step's out (``graphs.aligned_rows``)."""
+    columns = torch.zeros(7, graphs.aligned_rows(batch), dtype=torch.int32, device=device)
+    num_compact, tail_start, seq_lens, topk, topr, num_select, _ = (c[:batch] for c in columns)
+    return HsaRows(
+        tokens=torch.arange(batch, device=device),
+        block_table=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+        num_compact=num_compact,
+        tail_start=tail_start,
+        seq_lens=seq_lens,
+        topk=topk,
+        topr=topr,
+        num_select=num_select,
+        max_pages=max_pages,
+        max_select=max_select,
+    )
+
+
+def warm_up_stage2(
+    stage2,
+    kv_cache: torch.Tensor,
+    *,
+    quant,
+    settings: RocketKVSettings,
+    max_model_len: int,
+    max_rows: int,
+    num_q_heads: int,
+    query_dtype: torch.dtype,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> int:
+    """One eager Stage 2 call (every Stage 2 kernel) of padding rows per
+    distinct specialization an eager step of this layer can launch: eager
+    calls run at the engine's shape (``graphs.eager_bounds``: its selection,
+    or every page for a larger per-request budget), in row chunks of up to
+    ``eager_chunk``, so their specializations depend on the rows' count
+    alone. Returns the calls made."""
+    if not stage2.fixed_shapes:
+        return 0
+    shape = graphs.shape_for(settings, max_model_len, 1)
+    num_kv_heads = kv_cache.shape[1]
+    seen, calls = set(), 0
+    for max_select in sorted({shape.max_select, shape.max_pages}):
+        chunk = stage2.eager_chunk(num_q_heads, num_kv_heads, shape.max_pages)
+        for batch in range(1, max(1, min(max_rows, chunk)) + 1):
+            plan = stage2.eager_plan(
+                batch, num_q_heads, query_dtype, kv_cache, quant, shape.max_pages, max_select
+            )
+            if plan.compile_key() in seen:
+                continue
+            seen.add(plan.compile_key())
+            rows = padding_rows(batch, shape.max_pages, max_select, kv_cache.device)
+            query = torch.zeros(
+                batch, num_q_heads, plan.head_dim, dtype=query_dtype, device=kv_cache.device
+            )
+            stage2.decode(query, kv_cache, rows, scale, sinks=sinks, quant=quant)
+            calls += 1
+    return calls
+
+
 def warm_up_worker(vllm_config) -> int:
-    """Warm Stage 1 up on every distinct ROCKETKV layer shape of this worker
-    (after its KV cache is bound, before vLLM's warm-up and graph capture).
-    Returns the number of compactions run."""
+    """Warm Stage 1 and Stage 2 up on every distinct ROCKETKV layer shape of
+    this worker (after its KV cache is bound, before vLLM's warm-up and
+    graph capture). Returns the number of layer shapes warmed up."""
     from rocketkv_vllm.backend.impl import RocketKVImpl
     from rocketkv_vllm.fp8_kv import kv_quant_for
 
     t0 = time.perf_counter()
-    seen, runs = set(), 0
+    seen, runs, decode_calls = set(), 0, 0
     for layer in vllm_config.compilation_config.static_forward_context.values():
         impl = getattr(layer, "impl", None)
         kv_cache = getattr(layer, "kv_cache", None)
@@ -104,6 +175,7 @@ def warm_up_worker(vllm_config) -> int:
         sinks = impl._sinks()
         key = (
             type(impl.stage1),
+            type(impl.stage2),
             impl.kv_layout,
             impl.num_heads,
             kv_cache.dtype,
@@ -127,13 +199,27 @@ def warm_up_worker(vllm_config) -> int:
             scale=impl.scale,
             sinks=sinks,
         )
+        decode_calls += warm_up_stage2(
+            impl.stage2,
+            kv_cache,
+            quant=quant,
+            settings=impl.settings,
+            max_model_len=vllm_config.model_config.max_model_len,
+            max_rows=vllm_config.scheduler_config.max_num_seqs,
+            num_q_heads=impl.num_heads,
+            query_dtype=vllm_config.model_config.dtype,
+            scale=impl.scale,
+            sinks=sinks,
+        )
         runs += 1
     if runs:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the compile time belongs to the warm-up
         logger.info(
-            "ROCKETKV: Stage 1 warmed up on %d layer shape(s) in %.2f s.",
+            "ROCKETKV: Stage 1 and Stage 2 warmed up on %d layer shape(s) "
+            "(%d eager decode shape(s)) in %.2f s.",
             runs,
+            decode_calls,
             time.perf_counter() - t0,
         )
     return runs

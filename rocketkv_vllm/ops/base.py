@@ -132,8 +132,10 @@ class Stage2:
     KT update, page choice, sparse attention."""
 
     name = ""
-    # Triton only: fewer distinct launch shapes (kernel specializations).
-    pow2_shapes = False
+    # Triton only: eager calls launch at the engine's shape
+    # (``backend.graphs.eager_bounds``), not the step's own maxima, so that
+    # every kernel specialization is compiled at engine start.
+    fixed_shapes = False
 
     def __init__(self, settings: RocketKVSettings, kv_layout: str) -> None:
         self.settings = settings

@@ -53,12 +53,19 @@ torch + triton.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from rocketkv_vllm.kernels import hsa_score, sparse_decode
-from rocketkv_vllm.kernels._utils import cdiv, group_pad, kv_operand, row_vectors
+from rocketkv_vllm.kernels._utils import (
+    cdiv,
+    check_kv_cache,
+    group_pad,
+    kv_operand,
+    row_vectors,
+)
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
 from rocketkv_vllm.kernels.hsa_score import ScorePlan, ScoreScratch, launch_score, launch_select
 from rocketkv_vllm.kernels.sparse_decode import AttentionPlan, AttentionScratch
@@ -105,6 +112,17 @@ class DecodePlan:
     attention: AttentionPlan
     num_q_heads: int
     head_dim: int
+
+    def compile_key(self) -> tuple:
+        """What decides the kernels' specializations (their constexprs and
+        the integers they take are the plan's fields; the batch only sizes
+        the grid): two plans with one key compile the same kernels."""
+        return (
+            dataclasses.replace(self.score, batch=0),
+            dataclasses.replace(self.attention, batch=0),
+            self.num_q_heads,
+            self.head_dim,
+        )
 
     def launches(self, row_pages: int | None = None, n_use: int | None = None) -> list[Launch]:
         """The launch sequence; with rows of row_pages view pages using
@@ -510,15 +528,23 @@ class TritonStage1(Stage1):
 
 class TritonStage2(Stage2):
     name = "Triton kernels"
-    pow2_shapes = True
+    fixed_shapes = True
+
+    @staticmethod
+    def eager_chunk(num_q_heads: int, num_kv_heads: int, max_pages: int, workspace=None) -> int:
+        """Rows of one eager call: what ``SCRATCH_BYTES`` holds (and the
+        workspace serves), a multiple of 16 past 16 so every chunk's row
+        vectors start 16-byte aligned (``backend.warmup``)."""
+        per_row = scratch_bytes_per_row(num_q_heads, num_kv_heads, max_pages)
+        chunk = max(1, base.SCRATCH_BYTES // per_row)
+        if workspace is not None:
+            chunk = min(chunk, workspace.rows)
+        return chunk if chunk < 16 else chunk // 16 * 16
 
     def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
         if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
             return self._decode(query, kv_cache, rows, scale, out, sinks, quant)
-        per_row = scratch_bytes_per_row(query.shape[1], kv_cache.shape[1], rows.max_pages)
-        chunk = max(1, base.SCRATCH_BYTES // per_row)
-        if rows.workspace is not None:  # chunks the workspace serves
-            chunk = min(chunk, rows.workspace.rows)
+        chunk = self.eager_chunk(query.shape[1], kv_cache.shape[1], rows.max_pages, rows.workspace)
         batch = query.shape[0]
         if batch <= chunk:
             return self._decode(query, kv_cache, rows, scale, None, sinks, quant)
@@ -535,6 +561,36 @@ class TritonStage2(Stage2):
             for a in range(0, batch, chunk)
         ]
         return torch.cat(parts)
+
+    def eager_plan(
+        self,
+        batch: int,
+        num_q_heads: int,
+        query_dtype: torch.dtype,
+        kv_cache: torch.Tensor,
+        quant,
+        max_pages: int,
+        max_select: int,
+    ) -> DecodePlan:
+        """The plan an eager ``decode`` of ``batch`` rows launches
+        (``hsa_decode``'s), for the warm-up to tell its specializations."""
+        k_cache, _ = split_kv(kv_cache, self.kv_layout, quant)
+        k_view, fp8, _ = kv_operand(k_cache)
+        hkv, _, d = check_kv_cache(k_view)
+        dev = k_view.device
+        return plan_decode(
+            batch,
+            num_q_heads,
+            hkv,
+            d,
+            max_pages,
+            max_select,
+            self.settings.page_size,
+            self.settings.force_current_page,
+            sparse_decode.compute_dtype(query_dtype, k_view, fp8),
+            hsa_score.num_sms(dev),
+            sparse_decode.num_sms(dev),
+        )
 
     def _decode(self, query, kv_cache, rows: HsaRows, scale, out, sinks, quant):
         s = self.settings
