@@ -185,11 +185,12 @@ def test_v1_prompt_lengths_on_the_host(builder):
     assert md.decode.tokens.tolist() == [0]
 
 
-def _compressed_requests(s, prompts: dict[int, int], table, gen):
+def _compressed_requests(s, prompts: dict[int, int], table, gen, budgets=None):
     """A CPU_ATTN-layout cache (NaN everywhere unwritten) holding, for each
     batch row: prompt length in ``prompts``, the prompt compressed by the
-    oracle's Stage 1 plus one new token. Fills those rows of ``table``.
-    Returns (kv, k, v, kt)."""
+    oracle's Stage 1 (at the row's own budget in ``budgets``, if any) plus
+    one new token. Fills those rows of ``table``. Returns (kv, k, v, kt)."""
+    budgets = budgets or {}
     num_blocks = 1 + sum(-(-(n + 4) // BS) for n in prompts.values())
     pages = BS // s.page_size
     block_elems = HKV * BS * 2 * D + HKV * pages * 2 * D
@@ -213,7 +214,7 @@ def _compressed_requests(s, prompts: dict[int, int], table, gen):
             torch.randn(n + 1, HKV, D, generator=gen),
             row[slots // BS] * BS + slots % BS,
         )
-        plan = plan_request(s, n)
+        plan = plan_request(s, n, budgets.get(i))
         assert plan.compress
         q_win = torch.randn(s.window_size, HKV * G, D, generator=gen)
         paged.snapkv_compress(
@@ -232,11 +233,15 @@ def _compressed_requests(s, prompts: dict[int, int], table, gen):
     return kv, k, v, kt
 
 
-def _check_against_oracle(s, got, query, k, v, oracle_kt, table, prompts: dict[int, int]):
+def _check_against_oracle(
+    s, got, query, k, v, oracle_kt, table, prompts: dict[int, int], budgets=None
+):
     """Each row in ``prompts`` (row: prompt length) decoding its first new
-    token: the per-request oracle's Stage 2 output."""
+    token (at its own budget in ``budgets``, if any): the per-request
+    oracle's Stage 2 output."""
+    budgets = budgets or {}
     for i, n in prompts.items():
-        plan = plan_request(s, n)
+        plan = plan_request(s, n, budgets.get(i))
         want = paged.hsa_decode(
             query[i],
             k,
@@ -662,3 +667,31 @@ def test_eager_triton_stage2_runs_large_batches_in_row_chunks(model_path, monkey
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
     assert calls == [1, 1, 1]
     _check_against_oracle(s, chunked, query, k, v, oracle_kt, table, dict(enumerate(prompts)))
+
+
+def test_eager_triton_stage2_launches_at_the_engine_shape_like_the_oracle(model_path):
+    """Eager Triton steps launch at the engine's shape (``graphs.eager_bounds``:
+    the same for every step, so the warm-up compiles them all), or with every
+    page selectable when a request's own budget selects more; either way each
+    row still gets the per-request oracle's output."""
+    from rocketkv_vllm.backend import graphs
+
+    b = _make_builder(model_path, {"token_budget": 256, "kernel": "triton"}, 8192)
+    s = b.settings
+    shape = graphs.shape_for(s, 8192, 1)
+    prompts = {0: 3000, 1: 1800, 2: 700}
+    for slots, budgets in (((20, 21, 22), {}), ((23, 24, 25), {1: 1024})):
+        gen = torch.Generator().manual_seed(slots[0])
+        table = torch.zeros(len(prompts), 512, dtype=torch.int32)
+        kv, k, v, kt = _compressed_requests(s, prompts, table, gen, budgets)
+        own = [budgets.get(i) for i in prompts]
+        _v2_new_requests(b, list(zip(slots, prompts.values())), own)
+        md = b.build(0, _cm(b, [(n, 1, n) for n in prompts.values()], table, req_idx=slots))
+        rows = md.decode
+        wide = bool(budgets)
+        assert rows.max_pages == shape.max_pages
+        assert rows.max_select == (shape.max_pages if wide else shape.max_select)
+        query = torch.randn(len(prompts), HKV * G, D, generator=gen)
+        oracle_kt = kt.clone()
+        got = b.stage2.decode(query, kv, rows, D**-0.5)
+        _check_against_oracle(s, got, query, k, v, oracle_kt, table, prompts, budgets)
