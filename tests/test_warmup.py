@@ -228,8 +228,10 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkey
     s = b.settings
     table = torch.zeros(9, 512, dtype=torch.int32)
     gen = torch.Generator().manual_seed(5)
-    prompts = {0: 1800, 1: 700, 2: 1100}
-    kv, _, _, _ = tb._compressed_requests(s, prompts, table, gen)
+    # three requests at the engine's budget, a fourth at its own larger one
+    prompts, own = {0: 1800, 1: 700, 2: 1100, 3: 1800}, {3: 1024}
+    kv, _, _, _ = tb._compressed_requests(s, prompts, table, gen, own)
+    compressed = table.clone()
     hq, scale = tb.HKV * tb.G, tb.D**-0.5
     seen = _record(monkeypatch, STAGE2_KERNELS.values())
     calls = warm_up_stage2(
@@ -251,12 +253,15 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkey
 
     slot = 0
     for batch in (1, 2, 3, 5, 9):
-        lengths = [list(prompts.values())[i % 3] for i in range(batch)]
-        for i in range(batch):  # rows share the three compressed requests' blocks
-            table[i] = table[i % 3]
+        # rows share the compressed requests' blocks; the batch of 9 holds the
+        # one with its own budget (the widest shape)
+        source = [3 if batch == 9 and i == 3 else i % 3 for i in range(batch)]
+        lengths = [prompts[j] for j in source]
+        for i, j in enumerate(source):
+            table[i] = compressed[j]
         slots = list(range(slot, slot + batch))
         slot += batch
-        budgets = [1024 if batch == 9 and i == 3 else None for i in range(batch)]
+        budgets = [own.get(j) for j in source]
         tb._v2_new_requests(b, list(zip(slots, lengths)), budgets)
         cm = tb._cm(b, [(n, 1, n) for n in lengths], table, req_idx=slots)
         rows = b.build(0, cm).decode
