@@ -97,8 +97,8 @@ def padding_rows(batch: int, max_pages: int, max_select: int, device) -> HsaRows
     """``batch`` Stage 2 rows that are all padding (seq_len 0: the kernels
     launch and skip them), their vectors laid out as the builder lays a
     step's out (``graphs.aligned_rows``)."""
-    columns = torch.zeros(7, graphs.aligned_rows(batch), dtype=torch.int32, device=device)
-    num_compact, tail_start, seq_lens, topk, topr, num_select, _ = (c[:batch] for c in columns)
+    columns = torch.zeros(6, graphs.aligned_rows(batch), dtype=torch.int32, device=device)
+    num_compact, tail_start, seq_lens, topk, topr, num_select = (c[:batch] for c in columns)
     return HsaRows(
         tokens=torch.arange(batch, device=device),
         block_table=torch.zeros(batch, 1, dtype=torch.int32, device=device),
@@ -137,15 +137,16 @@ def warm_up_stage2(
     shape = graphs.shape_for(settings, max_model_len, 1)
     num_kv_heads = kv_cache.shape[1]
     seen, calls = set(), 0
+    chunk = stage2.eager_chunk(num_q_heads, num_kv_heads, shape.max_pages)
     for max_select in sorted({shape.max_select, shape.max_pages}):
-        chunk = stage2.eager_chunk(num_q_heads, num_kv_heads, shape.max_pages)
         for batch in range(1, max(1, min(max_rows, chunk)) + 1):
             plan = stage2.eager_plan(
                 batch, num_q_heads, query_dtype, kv_cache, quant, shape.max_pages, max_select
             )
-            if plan.compile_key() in seen:
+            key = plan.compile_key()
+            if key in seen:
                 continue
-            seen.add(plan.compile_key())
+            seen.add(key)
             rows = padding_rows(batch, shape.max_pages, max_select, kv_cache.device)
             query = torch.zeros(
                 batch, num_q_heads, plan.head_dim, dtype=query_dtype, device=kv_cache.device
