@@ -18,6 +18,11 @@ import numpy as np
 
 # Tokens per KT page when neither the user nor a token budget sets one.
 DEFAULT_PAGE_SIZE = 4
+# Fewest tokens Stage 2 selects under a token budget (the whole budget when
+# it is smaller): at B = 128 half of B (64 tokens, 16 pages of 4) found 10 of
+# 32 needles on SmolLM2 at 6k where 128 tokens found 15, dense's 15
+# (docs/results.md, issue 40).
+MIN_TOPK_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ def kernel_budget(
       power of two, at most one block. KT pages sit inside the KV blocks, so
       an engine has one: ``resolve_settings`` asks for its longest prompt;
     - prompt budget: the split's, at least ``prompt_budget_floor``;
-    - top-k: half of B, in whole pages (``budget_pages_selected``);
+    - top-k: half of B, at least ``MIN_TOPK_TOKENS`` (at most B), in whole
+      pages (``budget_pages_selected``);
     - top-r: the whole head (``head_dim``), not the split's channel cut
       (``split_token_budget``): on Gemma 3 270M (head dim 256) at B = 256 the
       cut (176 of 256 channels) found 15 of 32 needles where every channel
@@ -140,8 +146,10 @@ def prompt_budget_floor(window_size: int, block_size: int) -> int:
 
 def budget_pages_selected(token_budget: int, page_size: int) -> int:
     """Pages Stage 2 selects per step for a request planned with this token
-    budget: top-k is half the budget, in whole pages."""
-    return pages_selected(token_budget // 2, page_size)
+    budget: top-k is half the budget but at least ``MIN_TOPK_TOKENS`` (the
+    whole budget when it is smaller), in whole pages."""
+    topk = max(token_budget // 2, min(token_budget, MIN_TOPK_TOKENS))
+    return pages_selected(topk, page_size)
 
 
 def pages_selected(topk, page_size: int):

@@ -62,6 +62,12 @@ def _old_pages_selected(topk, page_size):
     return max(int(topk) // page_size, 1)
 
 
+def _topk_tokens(token_budget):
+    """Top-k under a token budget: half of it, but at least 128 tokens or the
+    whole budget (issue 40: 64 tokens lost needles on SmolLM2 at 6k)."""
+    return token_budget // 2 if token_budget >= 256 else min(token_budget, 128)
+
+
 def _old_numbers(settings, n):
     """(prompt_budget, topk, topr) of ``plan_request`` for an engine's own budget."""
     s = settings
@@ -69,7 +75,7 @@ def _old_numbers(settings, n):
         return s.prompt_budget, s.topk, s.topr
     pb, topk, _, _ = _old_split(s.token_budget, n, s.max_new_tokens, s.head_dim)
     prompt_budget = max(pb, s.window_size + s.block_size)
-    topk = _old_pages_selected(topk, s.page_size) * s.page_size
+    topk = _old_pages_selected(_topk_tokens(s.token_budget), s.page_size) * s.page_size
     return prompt_budget, topk, s.head_dim
 
 
@@ -79,7 +85,7 @@ def _old_max_select(settings, max_model_len):
     if s.token_budget is None:
         topk = s.topk
     else:
-        topk = _old_pages_selected(s.token_budget // 2, s.page_size) * s.page_size
+        topk = _old_pages_selected(_topk_tokens(s.token_budget), s.page_size) * s.page_size
     return min(_old_pages_selected(topk, s.page_size), max_pages)
 
 
@@ -134,7 +140,7 @@ def test_request_budgets_match_the_formulas_they_replaced():
                 plan = plan_request(settings, n, b)
                 want = _old_numbers(type(settings)(**{**settings.as_dict(), "token_budget": b}), n)
                 assert (plan.prompt_budget, plan.topk, plan.topr) == want
-            old_select = _old_pages_selected(b // 2, page_size)
+            old_select = _old_pages_selected(_topk_tokens(b), page_size)
             assert guard.needs_eager(np.zeros(1, bool), [b]) == (old_select > shape.max_select)
 
 

@@ -135,6 +135,39 @@ def test_agreement_from_outputs():
     assert report["rows"][1]["first_divergence_mean"] == 2.0  # (3 + 1) / 2
 
 
+def test_mcnemar_exact_p():
+    from rocketkv_eval.compare import mcnemar_p
+
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(0, 3) == 0.25  # 2 x (1/2)^3
+    assert mcnemar_p(6, 3) == mcnemar_p(3, 6) == 2 * (1 + 9 + 36 + 84) / 2**9
+    assert mcnemar_p(5, 5) == 1.0  # capped: both tails overlap
+
+
+def test_compare_pools_seeds_and_pairs_samples():
+    from rocketkv_eval.compare import compare, pooled_scores
+
+    def report(seed, dense, snap, rocket):
+        cells = {"vt/10/dense/None": dense, "vt/10/snapkv/4": snap, "vt/10/rocketkv/4": rocket}
+        return {
+            "settings": {"seed": seed},
+            "outputs": {k: [{"score": s} for s in v] for k, v in cells.items()},
+        }
+
+    a = report(0, [100, 0, 100], [100, 100, 0], [0, 100, 100])
+    b = report(1, [100, 100], [0, 0], [100, 0])
+    pooled = pooled_scores([a, b])
+    assert pooled["vt/10/rocketkv/4"] == [0, 100, 100, 100, 0]
+    (row,) = compare(pooled, "snapkv")[:1]
+    # rocketkv 0,1,1,1,0 against snapkv 1,1,0,0,0: only rocketkv on 2, only snapkv on 1
+    assert (row["method"], row["passed"], row["ref_passed"]) == ("rocketkv", 3, 2)
+    assert (row["only_method"], row["only_ref"]) == (2, 1)
+    vs_dense = {r["method"]: r for r in compare(pooled, "dense")}
+    assert vs_dense["rocketkv"]["ref_passed"] == 4 and vs_dense["rocketkv"]["budget"] == 4
+    with pytest.raises(ValueError, match="--seed 0"):
+        pooled_scores([a, a])
+
+
 # ------------------------------------------------------------------- smoke
 # A decode step that sees only its own 4-token page (and a 64-token prompt
 # after eviction) cannot copy a 7-digit number from 1k tokens back.

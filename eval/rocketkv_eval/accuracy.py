@@ -36,8 +36,8 @@ at token budget B (tokens attended per decode step):
 
 Ablations of ``rocketkv`` (issue 40: which part of the split costs answers at
 small budgets). Each is built from ``budget.kernel_budget``'s numbers for
-the run's prompt length L (page size p, prompt budget P, top-k K = B/2 in
-whole pages, top-r R = d since 2470628; block size ``ABLATION_BLOCK_SIZE``, which only caps the
+the run's prompt length L (page size p, prompt budget P, top-k K = B/2 but
+at least min(B, 128) in whole pages, top-r R = d since 2470628; block size ``ABLATION_BLOCK_SIZE``, which only caps the
 page size and floors P) and the model's head dim d (its config.json), so they
 need a single --lengths value (refused otherwise). Not in the default grid.
 
@@ -52,10 +52,11 @@ need a single --lengths value (refused otherwise). Not in the default grid.
   ``rocketkv_ps2`` and ``rocketkv_stage2_only`` with that cut, and a
   ``rocketkv_topr_full`` = today's ``rocketkv``: each row's settings are in
   its JSON.)
-- ``rocketkv_topk_x2``: as explicit, Stage 2's top-k = B in whole pages
-  (twice the split's B/2).
+- ``rocketkv_topk_x2``: as explicit, Stage 2's top-k = the split's for 2B
+  (B in whole pages: twice the split's B/2; at B = 128, 128 tokens as the
+  split's own since its floor).
 - ``rocketkv_ps8`` / ``rocketkv_ps2``: page size 8 / 2, top-k as
-  ``kernel_budget`` gives it for that page size (B/2 in whole pages), top-r
+  ``kernel_budget`` gives it for that page size (in whole pages), top-r
   = d; P is unchanged (it does not depend on the page size).
 - ``rocketkv_stage1_only``: Stage 1 with the split's P, Stage 2 attends to
   everything kept (as ``snapkv``: top-k >= P + T + two pages of slack, no
