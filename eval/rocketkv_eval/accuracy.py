@@ -37,9 +37,10 @@ at token budget B (tokens attended per decode step):
 Ablations of ``rocketkv`` (issue 40: which part of the split costs answers at
 small budgets). Each is built from ``budget.kernel_budget``'s numbers for
 the run's prompt length L (page size p, prompt budget P, top-k K = B/2 but
-at least min(B, 128) in whole pages, top-r R = d since 2470628; block size ``ABLATION_BLOCK_SIZE``, which only caps the
-page size and floors P) and the model's head dim d (its config.json), so they
-need a single --lengths value (refused otherwise). Not in the default grid.
+at least min(B, 128) in whole pages, top-r R = d since 2470628; block size
+``ABLATION_BLOCK_SIZE``, which only caps the page size and floors P) and
+the model's head dim d (its config.json), so they need a single --lengths
+value (refused otherwise). Not in the default grid.
 
 - ``rocketkv_explicit``: ``{"prompt_budget": P, "page_size": p, "topk": K,
   "topr": R}`` (force_current_page and evict as ``rocketkv``: true): the
