@@ -276,3 +276,18 @@ def test_prompt_budget_floor_and_topr_is_the_head_dim():
         topr = kernel_budget(settings, n, head_dim=128, block_size=16).topr
         assert topr == 128  # every channel (issue 40), not SPEC's cut
     assert split_token_budget(256, 8192, 16, 256).topr < 256  # the cut SPEC's split would make
+
+
+def test_topk_is_half_the_budget_but_at_least_128_tokens():
+    """Issue 40: top-k 64 (half of B = 128) found 10 of 32 needles on SmolLM2
+    at 6k where 128 found dense's 15. The floor never exceeds B itself, and
+    the prompt budget (the memory Stage 1 frees) does not move with it."""
+    want = {16: 16, 64: 64, 100: 100, 128: 128, 200: 128, 256: 128, 512: 256, 2048: 1024}
+    for budget, topk in want.items():
+        knobs = parse_config({"token_budget": budget, "max_new_tokens": 16})
+        kb = kernel_budget(knobs, 6144, head_dim=64, block_size=16)
+        assert kb.topk == topk // kb.page_size * kb.page_size, budget
+        assert kb.prompt_budget == max(
+            split_token_budget(budget, 6144, 16, 64).prompt_budget,
+            prompt_budget_floor(knobs.window_size, 16),
+        )
