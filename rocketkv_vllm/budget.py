@@ -118,8 +118,8 @@ def split_token_budget(
     token_budget: int, num_prompt_tokens: int, max_new_tokens: int, head_dim: int
 ) -> BudgetSplit:
     """SPEC §1 "budget split from one number", before any kernel rounding:
-    the reference's numbers (``kernel_budget`` rounds them, and keeps every
-    channel instead of this top-r)."""
+    the reference's numbers (``kernel_budget`` rounds them, keeps every
+    channel instead of this top-r, and selects at least ``MIN_TOPK_TOKENS``)."""
     cap, ratio = _compression(token_budget, num_prompt_tokens, max_new_tokens)
     page_size = _page_size(ratio)
     return BudgetSplit(
