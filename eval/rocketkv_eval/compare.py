@@ -92,8 +92,8 @@ def compare(pooled: dict[str, list[float]], ref: str) -> list[dict]:
                 "n": len(scores),
                 "passed": sum(passed),
                 "ref_passed": sum(ref_passed),
-                "accuracy": 100 * sum(scores) / len(scores) / PASS,
-                "ref_accuracy": 100 * sum(ref_scores) / len(ref_scores) / PASS,
+                "accuracy": sum(scores) / len(scores),  # scores are 0-100
+                "ref_accuracy": sum(ref_scores) / len(ref_scores),
                 "ci": (lo, hi),
                 "only_method": only_a,
                 "only_ref": only_b,
