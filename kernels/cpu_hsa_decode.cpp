@@ -31,6 +31,9 @@
 // Optional attention sinks (gpt-oss): one fp32 logit per query head, compared
 // with the scaled logits, that joins the exact attention's softmax
 // denominator and has no value (rocketkv_vllm/algorithm/sinks.py).
+// Optional selection store (rocketkv_vllm/ops/base.py, Stage2.decode): int32
+// [S, Hkv, W] view page indices; a row with a slot either writes the pages it
+// chose there or (reuse) attends the ones stored instead of choosing.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -250,6 +253,35 @@ inline void load_tokens(const Cache<LAYOUT>& cache, const KvDecode<FP8_KV>& kvd,
   }
 }
 
+// A row's view, [0, nc) then [ts, seq), in pages of ps tokens.
+struct View {
+  int64_t nc, ts, seq, ps, compact_pages, num_pages;
+
+  View(int64_t nc, int64_t ts, int64_t seq, int64_t ps)
+      : nc(nc), ts(ts), seq(seq), ps(ps), compact_pages((nc + ps - 1) / ps),
+        num_pages(compact_pages + (seq - ts + ps - 1) / ps) {}
+  inline int64_t start(int64_t p) const {
+    return p < compact_pages ? p * ps : ts + (p - compact_pages) * ps;
+  }
+  inline int64_t tokens(int64_t p) const {
+    return std::min<int64_t>(ps, (p < compact_pages ? nc : seq) - start(p));
+  }
+  inline int64_t current() const { return compact_pages + (seq - 1 - ts) / ps; }
+  // Pages a row attends: num_select (at least one), plus the forced current page.
+  inline int64_t selection_size(int64_t num_select, bool force_current_page) const {
+    return std::min<int64_t>(std::max<int64_t>(num_select, 1) + force_current_page, num_pages);
+  }
+};
+
+// The selection store: entries [S, Hkv, width], each row's slot (-1: none)
+// and reuse flag; entries == nullptr when the call has none.
+struct Selections {
+  int32_t* entries;
+  const int32_t* slot;
+  const int32_t* reuse;
+  int64_t width;
+};
+
 template <typename T, int LAYOUT, bool FP8, bool FP8_KV>
 void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
                      torch::Tensor& kt_cache, const torch::Tensor& block_table,
@@ -257,7 +289,7 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
                      const torch::Tensor& seq_lens, const torch::Tensor& topr,
                      const torch::Tensor& num_select, int64_t page_size, double scale,
                      bool force_current_page, const float* sinks, const KvDecode<FP8_KV>& kvd,
-                     torch::Tensor& out) {
+                     const Selections& sel, torch::Tensor& out) {
   using E = std::conditional_t<FP8_KV, uint8_t, T>;  // a KV element
   const int64_t B = query.size(0), Hq = query.size(1), d = query.size(2);
   const int64_t Hkv = kv_cache.size(1), bs = kv_cache.size(2);
@@ -302,18 +334,14 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
   }
 
   // 2. Page choice and sparse attention per (row, KV head): independent items
-  // (each writes its own query heads' output rows), spread over torch's
-  // intra-op threads.
-  auto row_head = [&](int64_t b, int64_t h) {
-    const int64_t seq = sl_p[b];
-    if (seq <= 0) return;
-    const int64_t nc = nc_p[b], ts = ts_p[b];
-    const int64_t compact_pages = (nc + ps - 1) / ps;
-    const int64_t num_pages = compact_pages + (seq - ts + ps - 1) / ps;
-    std::vector<float> q(G * d);
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < d; ++c)
-        q[g * d + c] = to_float(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
+  // (each writes its own query heads' output rows and store entry), spread
+  // over torch's intra-op threads.
+  //
+  // Page choice: the view's pages for query group q [G, d], the n most
+  // probable first (in no particular order).
+  auto choose_pages = [&](int64_t b, int64_t h, const View& view, int64_t n,
+                          const std::vector<float>& q) {
+    const int64_t num_pages = view.num_pages;
     // Channels: top-r of the group's summed |q|; sign of the group's sum.
     std::vector<float> mag(d, 0.f), sum(d, 0.f);
     for (int64_t g = 0; g < G; ++g)
@@ -343,13 +371,10 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
     }
     // Page logits [G, P] and token counts.
     std::vector<float> logits(G * num_pages), bound(d);
-    std::vector<int64_t> page_start(num_pages), page_tokens(num_pages);
+    std::vector<int64_t> page_tokens(num_pages);
     for (int64_t p = 0; p < num_pages; ++p) {
-      const bool in_compact = p < compact_pages;
-      const int64_t start = in_compact ? p * ps : ts + (p - compact_pages) * ps;
-      const int64_t end = in_compact ? nc : seq;
-      page_start[p] = start;
-      page_tokens[p] = std::min<int64_t>(ps, end - start);
+      const int64_t start = view.start(p);
+      page_tokens[p] = view.tokens(p);
       const int64_t block = table[b * table_stride + start / bs];
       kt_rows.read_bound(kt + block * kt_sb + h * kt_sh + ((start % bs) / ps) * kt_sp,
                          take_max.data(), bound.data());
@@ -374,31 +399,47 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
       const float inv = 1.f / (G * std::max(denom, 1e-30f));
       for (int64_t p = 0; p < num_pages; ++p) probs[p] += l[p] * inv;
     }
-    const int64_t current = compact_pages + (seq - 1 - ts) / ps;
-    const int64_t extra = force_current_page ? 1 : 0;
-    if (force_current_page) probs[current] = 2.f;
-    const int64_t n = std::min<int64_t>(std::max<int64_t>(ns_p[b], 1) + extra, num_pages);
+    if (force_current_page) probs[view.current()] = 2.f;
     std::vector<int64_t> order(num_pages);
     std::iota(order.begin(), order.end(), 0);
-    // The n most probable pages first (in no particular order).
     std::nth_element(order.begin(), order.begin() + (n - 1), order.end(),
                      [&](int64_t a, int64_t c) { return probs[a] > probs[c]; });
+    return order;
+  };
+  auto row_head = [&](int64_t b, int64_t h) {
+    const int64_t seq = sl_p[b];
+    if (seq <= 0) return;
+    const View view(nc_p[b], ts_p[b], seq, ps);
+    const int64_t n = view.selection_size(ns_p[b], force_current_page);
+    std::vector<float> q(G * d);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < d; ++c)
+        q[g * d + c] = to_float(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
+    const int64_t slot = sel.entries ? sel.slot[b] : -1;
+    int32_t* entry = slot >= 0 ? sel.entries + (slot * Hkv + h) * sel.width : nullptr;
+    std::vector<int64_t> order;
+    if (entry && sel.reuse[b]) {
+      order.assign(entry, entry + n);  // no scoring: what reuse saves
+    } else {
+      order = choose_pages(b, h, view, n, q);
+      if (entry && n <= sel.width) std::copy(order.begin(), order.begin() + n, entry);
+    }
     // Exact attention over the chosen pages' tokens: gather them into
     // float rows, then logits, softmax and the weighted sum of values per
     // query head, in loops the compiler vectorizes.
     int64_t num_tokens = 0;
-    for (int64_t i = 0; i < n; ++i) num_tokens += page_tokens[order[i]];
+    for (int64_t i = 0; i < n; ++i) num_tokens += view.tokens(order[i]);
     std::vector<float> keys(num_tokens * d), vals(num_tokens * d), w(num_tokens),
         acc(d);
     int64_t t = 0;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t p = order[i];
       // A page lies in one block (page_size divides block_size).
-      const int64_t slot = page_start[p];
-      const int64_t block = table[b * table_stride + slot / bs];
+      const int64_t start = view.start(p), tokens = view.tokens(p);
+      const int64_t block = table[b * table_stride + start / bs];
       const E* head = kv + block * cache.block_stride + h * cache.head_stride;
-      load_tokens(cache, kvd, head, slot % bs, page_tokens[p], &keys[t * d], &vals[t * d]);
-      t += page_tokens[p];
+      load_tokens(cache, kvd, head, start % bs, tokens, &keys[t * d], &vals[t * d]);
+      t += tokens;
     }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = &q[g * d];
@@ -435,6 +476,57 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
   });
 }
 
+// The store's tensors checked against the call's rows (before any KT page is
+// touched): reused entries are read as page indices, so a bad one would read
+// outside the row's view.
+Selections check_selections(const std::optional<torch::Tensor>& selections,
+                            const std::optional<torch::Tensor>& sel_slot,
+                            const std::optional<torch::Tensor>& reuse, int64_t num_kv_heads,
+                            const torch::Tensor& nc, const torch::Tensor& ts,
+                            const torch::Tensor& sl, const torch::Tensor& ns, int64_t page_size,
+                            bool force_current_page) {
+  const bool given = selections.has_value();
+  TORCH_CHECK(sel_slot.has_value() == given && reuse.has_value() == given,
+              "hsa_decode: selections, sel_slot and reuse come together");
+  if (!given) return {nullptr, nullptr, nullptr, 0};
+  const int64_t B = sl.size(0);
+  TORCH_CHECK(selections->device().is_cpu() && selections->scalar_type() == torch::kInt32 &&
+                  selections->dim() == 3 && selections->is_contiguous(),
+              "hsa_decode: selections must be a contiguous int32 CPU tensor [S, Hkv, W]");
+  TORCH_CHECK(selections->size(1) == num_kv_heads, "hsa_decode: selections must be [S, ",
+              num_kv_heads, ", W], got ", selections->sizes());
+  for (const auto* t : {&*sel_slot, &*reuse})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt32 && t->dim() == 1 &&
+                    t->size(0) == B && t->is_contiguous(),
+                "hsa_decode: sel_slot and reuse must be contiguous int32 CPU tensors [", B,
+                "], got ", t->scalar_type(), " ", t->sizes());
+  const Selections sel{selections->data_ptr<int32_t>(), sel_slot->data_ptr<int32_t>(),
+                       reuse->data_ptr<int32_t>(), selections->size(2)};
+  const int64_t S = selections->size(0);
+  const int32_t *nc_p = nc.data_ptr<int32_t>(), *ts_p = ts.data_ptr<int32_t>(),
+                *sl_p = sl.data_ptr<int32_t>(), *ns_p = ns.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    if (sl_p[b] <= 0) continue;  // padding: never touches the store
+    const int64_t slot = sel.slot[b];
+    TORCH_CHECK(slot >= -1 && slot < S, "hsa_decode: row ", b, "'s sel_slot ", slot,
+                " is outside [-1, ", S, ")");
+    if (!sel.reuse[b]) continue;
+    TORCH_CHECK(slot >= 0, "hsa_decode: row ", b, " reuses but has no sel_slot");
+    const View view(nc_p[b], ts_p[b], sl_p[b], page_size);
+    const int64_t n = view.selection_size(ns_p[b], force_current_page);
+    TORCH_CHECK(n <= sel.width, "hsa_decode: row ", b, " reuses ", n,
+                " pages, more than the store's width ", sel.width);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t p = sel.entries[(slot * num_kv_heads + h) * sel.width + i];
+        TORCH_CHECK(p >= 0 && p < view.num_pages, "hsa_decode: row ", b, " reuses page ", p,
+                    " of a view of ", view.num_pages, " pages (slot ", slot, ", KV head ", h,
+                    ")");
+      }
+  }
+  return sel;
+}
+
 }  // namespace
 
 // query [B, Hq, d]; kv_cache [num_blocks, Hkv, bs, 2d] (each head's block a
@@ -443,15 +535,18 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
 // [..., 2d + 16] fp8 rows; int32 [B]
 // columns; sinks: None or [Hq] sink logits (any float dtype); kv_format 0
 // (kv_cache in query's dtype) or, for a uint8 kv_cache of fp8 codes, 1 (e4m3)
-// or 2 (e5m2) with the layer's k_scale and v_scale. Returns [B, Hq, d] in
-// query's dtype.
+// or 2 (e5m2) with the layer's k_scale and v_scale; selections, sel_slot,
+// reuse: all three None, or the selection store int32 [S, Hkv, W] and int32
+// [B] slots (-1: none) and reuse flags. Returns [B, Hq, d] in query's dtype.
 torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor kt_cache,
                          torch::Tensor block_table, torch::Tensor num_compact,
                          torch::Tensor tail_start, torch::Tensor seq_lens, torch::Tensor topr,
                          torch::Tensor num_select, int64_t page_size, double scale,
                          bool force_current_page, int64_t layout,
                          std::optional<torch::Tensor> sinks, int64_t kv_format, double k_scale,
-                         double v_scale) {
+                         double v_scale, std::optional<torch::Tensor> selections,
+                         std::optional<torch::Tensor> sel_slot,
+                         std::optional<torch::Tensor> reuse) {
   TORCH_CHECK(query.device().is_cpu(), "hsa_decode: CPU tensors only");
   const bool fp8_kt = kt_cache.scalar_type() == at::ScalarType::Byte;
   const bool fp8_kv = kv_format != 0;
@@ -488,6 +583,8 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
   if (table.stride(1) != 1) table = table.contiguous();
   auto nc = as_i32(num_compact), ts = as_i32(tail_start), sl = as_i32(seq_lens),
        tr = as_i32(topr), ns = as_i32(num_select);
+  const Selections sel = check_selections(selections, sel_slot, reuse, kv_cache.size(1), nc, ts,
+                                          sl, ns, page_size, force_current_page);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "hsa_decode", [&] {
         auto run = [&](auto layout_tag) {
@@ -498,15 +595,15 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
                 force_current_page, sink_p,
                 KvDecode<true>(kv_format, static_cast<float>(k_scale),
                                static_cast<float>(v_scale)),
-                out);
+                sel, out);
           else if (fp8_kt)
             hsa_decode_impl<scalar_t, L, true, false>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), out);
+                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), sel, out);
           else
             hsa_decode_impl<scalar_t, L, false, false>(
                 q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), out);
+                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), sel, out);
         };
         if (layout == 1) run(std::integral_constant<int, 1>{});
         else if (layout == 2) run(std::integral_constant<int, 2>{});

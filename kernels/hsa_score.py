@@ -55,6 +55,15 @@ follows P, not max_pages, when a CUDA graph fixes max_pages at its largest):
 n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages per row, f = 1
 with force_current_page (else 0), n_sel = min(max_select + f, max_pages).
 
+Selection reuse (REUSE, both kernels; off: not compiled in): a store int32
+[S, Hkv, W] and per row a slot (-1: none) and a reuse flag. A reusing row
+(flag set, slot >= 0) still gets its KT page refreshed, then its scoring
+programs return; in the selection launch its split 0 copies
+store[slot, h, :n_use] into sel and the others do nothing (no candidates,
+its counter untouched). Any other row with a slot has its merged pages
+(ascending) written to its slot too, by the merging program, where
+n_use <= W. Same two launches.
+
 ``select_pages`` (probabilities given, e.g. by a test) runs the selection
 kernel alone on them (``FROM_PROBS``), or ``torch.topk`` on request.
 """
@@ -119,6 +128,28 @@ def _n_use(topk_ptr, b, num_pages, num_sel, extra, PS: tl.constexpr):
     return tl.minimum(tl.minimum(n_want, num_pages), num_sel)
 
 
+@triton.jit
+def _store_slot(slot_ptr, reuse_ptr, b):
+    """(slot, reusing) of row b in the selection store: reusing = it attends
+    the pages stored in its slot (reuse set and a slot given)."""
+    slot = tl.load(slot_ptr + b)
+    return slot, (tl.load(reuse_ptr + b) != 0) & (slot >= 0)
+
+
+@triton.jit
+def _store_row(store_ptr, slot, bh, num_kv_heads, store_width):
+    """Slot ``slot``'s entries for the KV head of program row bh."""
+    return store_ptr + (slot.to(tl.int64) * num_kv_heads + bh % num_kv_heads) * store_width
+
+
+@triton.jit
+def _copy_pages(src, dst, n, BLOCK: tl.constexpr):
+    """dst[0:n] = src[0:n] (int32 page indices)."""
+    for i0 in range(0, n, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+
 # The block table's row stride is vLLM's (its table width, per runner), so a
 # warm-up cannot know whether it is a multiple of 16: not specialized (one
 # multiply a row), so Stage 2 compiles the same whatever vLLM's width
@@ -139,6 +170,8 @@ def _score_kernel(
     pm_ptr,
     pl_ptr,
     k_ptr,
+    slot_ptr,
+    reuse_ptr,
     num_kv_heads,
     max_pages,
     num_splits,
@@ -168,6 +201,7 @@ def _score_kernel(
     KT_FP8: tl.constexpr,
     FP8: tl.constexpr,
     UPDATE_KT: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -206,6 +240,12 @@ def _score_kernel(
                 FP8,
             )
             tl.debug_barrier()  # this program's loads below see the new row
+    if REUSE:
+        # a row attending its stored pages scores nothing (KT page refreshed
+        # above; _select_kernel reads no partial of it)
+        _, reusing = _store_slot(slot_ptr, reuse_ptr, b)
+        if reusing:
+            return
 
     g = tl.arange(0, G_PAD)
     g_ok = g < G
@@ -464,12 +504,16 @@ def _select_kernel(
     ts_ptr,
     seq_ptr,
     topk_ptr,
+    store_ptr,
+    slot_ptr,
+    reuse_ptr,
     num_kv_heads,
     max_pages,
     num_splits,
     num_sel,
     extra,
     cand,
+    store_width,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
     G2: tl.constexpr,
@@ -485,97 +529,118 @@ def _select_kernel(
     FROM_PROBS: tl.constexpr,
     WRITE_PROBS: tl.constexpr,
     SELECT: tl.constexpr,
+    REUSE: tl.constexpr,
 ):
     """Split (bh, split): its pages' probabilities (from the logits, or
     read: FROM_PROBS), its local top-n_use as candidates; the row's last
     split to finish merges the candidates into sel[bh, :n_use] (ascending
     page order). LONG: a split may hold more than SUB pages (the rest of
-    its probabilities go through ``probs`` and are read back)."""
+    its probabilities go through ``probs`` and are read back). REUSE: the
+    selection store [S, Hkv, store_width]: a reusing row's split 0 copies
+    its slot's n_use pages into sel, its other splits do nothing (no
+    candidates, no counter); another row with a slot gets its merged pages
+    stored there."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
     row_pages = tl.minimum(num_pages, max_pages)
-    chunk, lo, hi = _split_range(row_pages, num_splits, split, BLOCK_P)
-    prow = probs_ptr + bh.to(tl.int64) * max_pages
-    j0 = lo + tl.arange(0, SUB)
-    if FROM_PROBS:
-        bits0 = _bits_at(prow, j0, hi, True)
+    if REUSE:
+        slot, reusing = _store_slot(slot_ptr, reuse_ptr, b)
+        # the slot's address now and no early return below: with either
+        # changed, ptxas spilled a few bytes (sm_90, eager launch shapes)
+        store_row = _store_row(store_ptr, slot, bh, num_kv_heads, store_width)
+        if reusing & (split == 0):
+            n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
+            _copy_pages(store_row, sel_ptr + bh.to(tl.int64) * num_sel, n_use, CAND_PAD)
+        choosing = not reusing
     else:
-        m_safe, inv_l = _row_stats(pm_ptr, pl_ptr, bh, num_splits, G, G_PAD, G2, SCH)
-        cur = npc + (seq - 1 - ts) // PS  # page of the newest token (in the tail)
-        cur_ok = seq - 1 >= ts
-        row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
-        pr = _probs_at(row_logits, j0, hi, m_safe, inv_l, cur, cur_ok, max_pages, G, G2, FORCE)
-        if WRITE_PROBS:  # only the row's own pages are written
-            tl.store(prow + j0, pr, mask=j0 < hi)
-        bits0 = tl.where(j0 < hi, pr.to(tl.int32, bitcast=True), -1)
-        if LONG:
-            for p0 in range(lo + SUB, hi, SUB):
-                jj = p0 + tl.arange(0, SUB)
-                pr = _probs_at(
-                    row_logits, jj, hi, m_safe, inv_l, cur, cur_ok, max_pages, G, G2, FORCE
-                )
-                tl.store(prow + jj, pr, mask=jj < hi)
-            tl.debug_barrier()  # read back below by this program
-    if SELECT:
-        n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
-        size = tl.maximum(hi - lo, 0)
-        n_loc = tl.minimum(n_use, size)
-        if size > n_loc:
-            thr, room = _threshold(bits0, prow + lo, size, n_loc, True, SUB)
-        else:  # every page of the split is a candidate
-            thr = n_loc * 0
-            room = size
-        # candidate slots of a split: min(cand, chunk), so that the row's
-        # candidates are dense for the merge whatever max_pages is
-        stride = tl.minimum(cand, chunk)
-        crow = bh.to(tl.int64) * num_splits * cand + split * stride
-        base, eq_seen = _pack(
-            bits0, j0, thr, room, thr * 0, thr * 0, cpage_ptr + crow, cbits_ptr + crow, True
-        )
-        if LONG or FROM_PROBS:
-            for p0 in range(lo + SUB, hi, SUB):
-                jj = p0 + tl.arange(0, SUB)
-                base, eq_seen = _pack(
-                    _bits_at(prow, jj, hi, True),
-                    jj,
-                    thr,
-                    room,
-                    base,
-                    eq_seen,
-                    cpage_ptr + crow,
-                    cbits_ptr + crow,
-                    True,
-                )
-        k = tl.arange(0, CAND_PAD)
-        tl.store(
-            cbits_ptr + crow + k,
-            tl.full([CAND_PAD], -1, tl.int32),
-            mask=(k >= n_loc) & (k < stride),
-        )
-        # The row's last split to get here merges (all splits' candidates
-        # are written: barrier, then a release / acquire counter).
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
-        if done == num_splits - 1:
-            tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed")  # for the next launch / replay
-            total = (row_pages + chunk - 1) // chunk * stride
-            mrow = bh.to(tl.int64) * num_splits * cand
-            srow = sel_ptr + bh.to(tl.int64) * num_sel
-            if MERGE_BLOCK > MERGE_SMALL:
-                if total <= MERGE_SMALL:  # the usual compressed view
-                    _merge_candidates(
-                        cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_SMALL
+        choosing = True  # a constexpr: the branch below compiles as before
+    if choosing:
+        chunk, lo, hi = _split_range(row_pages, num_splits, split, BLOCK_P)
+        prow = probs_ptr + bh.to(tl.int64) * max_pages
+        j0 = lo + tl.arange(0, SUB)
+        if FROM_PROBS:
+            bits0 = _bits_at(prow, j0, hi, True)
+        else:
+            m_safe, inv_l = _row_stats(pm_ptr, pl_ptr, bh, num_splits, G, G_PAD, G2, SCH)
+            cur = npc + (seq - 1 - ts) // PS  # page of the newest token (in the tail)
+            cur_ok = seq - 1 >= ts
+            row_logits = logit_ptr + bh.to(tl.int64) * G * max_pages
+            pr = _probs_at(row_logits, j0, hi, m_safe, inv_l, cur, cur_ok, max_pages, G, G2, FORCE)
+            if WRITE_PROBS:  # only the row's own pages are written
+                tl.store(prow + j0, pr, mask=j0 < hi)
+            bits0 = tl.where(j0 < hi, pr.to(tl.int32, bitcast=True), -1)
+            if LONG:
+                for p0 in range(lo + SUB, hi, SUB):
+                    jj = p0 + tl.arange(0, SUB)
+                    pr = _probs_at(
+                        row_logits, jj, hi, m_safe, inv_l, cur, cur_ok, max_pages, G, G2, FORCE
                     )
+                    tl.store(prow + jj, pr, mask=jj < hi)
+                tl.debug_barrier()  # read back below by this program
+        if SELECT:
+            n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
+            size = tl.maximum(hi - lo, 0)
+            n_loc = tl.minimum(n_use, size)
+            if size > n_loc:
+                thr, room = _threshold(bits0, prow + lo, size, n_loc, True, SUB)
+            else:  # every page of the split is a candidate
+                thr = n_loc * 0
+                room = size
+            # candidate slots of a split: min(cand, chunk), so that the row's
+            # candidates are dense for the merge whatever max_pages is
+            stride = tl.minimum(cand, chunk)
+            crow = bh.to(tl.int64) * num_splits * cand + split * stride
+            base, eq_seen = _pack(
+                bits0, j0, thr, room, thr * 0, thr * 0, cpage_ptr + crow, cbits_ptr + crow, True
+            )
+            if LONG or FROM_PROBS:
+                for p0 in range(lo + SUB, hi, SUB):
+                    jj = p0 + tl.arange(0, SUB)
+                    base, eq_seen = _pack(
+                        _bits_at(prow, jj, hi, True),
+                        jj,
+                        thr,
+                        room,
+                        base,
+                        eq_seen,
+                        cpage_ptr + crow,
+                        cbits_ptr + crow,
+                        True,
+                    )
+            k = tl.arange(0, CAND_PAD)
+            tl.store(
+                cbits_ptr + crow + k,
+                tl.full([CAND_PAD], -1, tl.int32),
+                mask=(k >= n_loc) & (k < stride),
+            )
+            # The row's last split to get here merges (all splits' candidates
+            # are written: barrier, then a release / acquire counter).
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+            if done == num_splits - 1:
+                tl.atomic_xchg(count_ptr + bh, 0, sem="relaxed")  # for the next launch / replay
+                total = (row_pages + chunk - 1) // chunk * stride
+                mrow = bh.to(tl.int64) * num_splits * cand
+                srow = sel_ptr + bh.to(tl.int64) * num_sel
+                if MERGE_BLOCK > MERGE_SMALL:
+                    if total <= MERGE_SMALL:  # the usual compressed view
+                        _merge_candidates(
+                            cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_SMALL
+                        )
+                    else:
+                        _merge_candidates(
+                            cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
+                        )
                 else:
                     _merge_candidates(
                         cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
                     )
-            else:
-                _merge_candidates(
-                    cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
-                )
+                if REUSE:  # kept for the row's later steps (sel: other threads' stores)
+                    tl.debug_barrier()
+                    stored = tl.where((slot >= 0) & (n_use <= store_width), n_use, 0)
+                    _copy_pages(srow, store_row, stored, CAND_PAD)
 
 
 # ---------------------------------------------------------------------------
@@ -735,9 +800,13 @@ def launch_score(
     topr: torch.Tensor,
     page_size: int,
     k_cache=None,
+    sel_slot: torch.Tensor | None = None,
+    reuse: torch.Tensor | None = None,
 ) -> None:
     """``_score_kernel``; with ``k_cache`` (a [num_blocks, Hkv, bs, d] view
-    or an ``fp8_kv.Fp8KV``) each row's newest KT page is refreshed first."""
+    or an ``fp8_kv.Fp8KV``) each row's newest KT page is refreshed first.
+    sel_slot, reuse ([B] int32, both or neither: REUSE): rows reusing their
+    stored selection (``launch_select``) score nothing."""
     batch, hq, d = query.shape
     _, hkv, pages_per_block, width = kt_cache.shape
     assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
@@ -752,6 +821,10 @@ def launch_score(
         k_strides = cache_strides(k_cache)
     else:
         k_cache, fp8, k_scale, k_strides = kt_cache, 0, 1.0, (0, 0, 0, 0)
+    reuse_on = reuse is not None
+    assert reuse_on == (sel_slot is not None)
+    if not reuse_on:  # not read
+        sel_slot = reuse = topr
     half = _half_type(kt_cache)
     # 8 warps past d 64 (compile_kernels.py's register counts)
     _score_kernel[plan.grid](
@@ -766,6 +839,8 @@ def launch_score(
         scratch.part_m,
         scratch.part_l,
         k_cache,
+        sel_slot,
+        reuse,
         hkv,
         plan.max_pages,
         plan.splits,
@@ -792,6 +867,7 @@ def launch_score(
         KT_FP8=kt_cache.dtype == torch.uint8,
         FP8=fp8,
         UPDATE_KT=update,
+        REUSE=reuse_on,
         num_warps=4 if head_pad(d) <= 64 else 8,
     )
 
@@ -809,9 +885,16 @@ def launch_select(
     select: bool = True,
     write_probs: bool = False,
     from_probs: bool = False,
+    selections: torch.Tensor | None = None,
+    sel_slot: torch.Tensor | None = None,
+    reuse: torch.Tensor | None = None,
 ) -> None:
     """``_select_kernel``: probabilities (written with write_probs) and / or
-    the selection into scratch.sel (select)."""
+    the selection into scratch.sel (select). selections: the selection store
+    int32 [S, Hkv, W] contiguous, with sel_slot, reuse [B] int32 (REUSE):
+    rows with reuse set and a slot take their n_use pages from
+    selections[slot, h, :n_use], others with a slot store theirs there (if
+    n_use <= W); selection only (no probabilities)."""
     hkv = plan.num_kv_heads
     group = num_q_heads // hkv
     g2 = max(2, next_pow2(group))
@@ -821,6 +904,16 @@ def launch_select(
         probs = scratch.logits  # unused
     else:
         assert probs.is_contiguous() and probs.numel() >= plan.batch * hkv * plan.max_pages
+    reuse_on = selections is not None
+    if reuse_on:
+        assert sel_slot is not None and reuse is not None
+        assert select and not (write_probs or from_probs)
+        assert selections.dtype == torch.int32 and selections.is_contiguous()
+        assert selections.dim() == 3 and selections.shape[1] == hkv
+        store_width = selections.shape[2]
+    else:  # not read
+        selections = sel_slot = reuse = scratch.sel
+        store_width = 0
     _select_kernel[plan.grid](
         scratch.logits,
         scratch.part_m,
@@ -834,12 +927,16 @@ def launch_select(
         tail_start,
         seq_lens,
         topk,
+        selections,
+        sel_slot,
+        reuse,
         hkv,
         plan.max_pages,
         plan.splits,
         plan.n_sel,
         1 if force_current_page else 0,
         plan.cand,
+        store_width,
         G=group,
         G_PAD=group_pad(group),
         G2=g2,
@@ -855,6 +952,7 @@ def launch_select(
         FROM_PROBS=from_probs,
         WRITE_PROBS=write_probs,
         SELECT=select,
+        REUSE=reuse_on,
         # 8 warps: shorter per-thread runs in the scans and bisections (and
         # with 4, ptxas-blackwell spilled a few bytes of one sm_100 variant)
         num_warps=8,

@@ -159,6 +159,14 @@ class RocketKVConfig:
         "fp8 rounded outward (`fp8_e4m3`: about half the bytes; always with an fp8 KV cache)",
         kind=KT_DTYPE_CHOICES,
     )
+    reselect_every: int = knob(
+        1,
+        "decode steps a page selection serves (1: every step selects, the "
+        "reference); more reuses it within the newest token's page, which "
+        "always reselects when it opens; at most `page_size`",
+        lo=1,
+        hi=256,
+    )
     free_evicted_blocks: bool = knob(
         True, "give evicted blocks back to vLLM (false keeps them: for A/B checks)", kind=bool
     )
@@ -364,6 +372,14 @@ def resolve_settings(
             cfg.window_size,
             f"an integer in [block_size - 1, 4096] = [{block_size - 1}, 4096] "
             f"with block_size={block_size} (or a smaller KV cache block size)",
+        )
+    if cfg.reselect_every > page_size:
+        # A selection lives within one page of the newest token: past
+        # page_size steps it is reselected anyway.
+        _fail(
+            "reselect_every",
+            cfg.reselect_every,
+            f"an integer in [1, page_size] = [1, {page_size}]",
         )
     settings = RocketKVSettings(
         **{**asdict(cfg), "page_size": page_size, "topr": topr},

@@ -42,6 +42,7 @@ class WorkerRequests:
         self.rows: list[int | None] = []  # V1: this step's rows' budgets
         self.row_ids: list[str | None] = []  # V1: this step's rows' request ids
         self.by_slot: dict[int, int | None] = {}  # V2: budget by slot
+        self.v2_generation: dict[int, int] = {}  # V2: requests that took each slot
         self._prompt_lens = np.full(0, -1, dtype=np.int64)  # V2: by slot
         self.v1_prompt_lens: torch.Tensor | None = None  # V1: the runner's, by row
         self.dummy = False  # the step being run is a dummy run
@@ -70,6 +71,7 @@ class WorkerRequests:
             if slot is None:
                 continue
             self.by_slot[slot] = planned_budget(new.sampling_params)
+            self.v2_generation[slot] = self.v2_generation.get(slot, 0) + 1
             if slot >= self._prompt_lens.size:
                 grown = np.full(max(2 * self._prompt_lens.size, slot + 1), -1, dtype=np.int64)
                 grown[: self._prompt_lens.size] = self._prompt_lens
@@ -133,6 +135,7 @@ class Counters:
     prompts_compressed: int = 0
     prompt_tokens_evicted: int = 0  # per KV head
     decode_tokens_compressed: int = 0  # Stage 2 tokens (all layers count once)
+    decode_selections_reused: int = 0  # ... that reused a selection (reselect_every)
     stage1_seconds: float = 0.0  # all layers, only with ROCKETKV_TIMING=1
     timing: bool = field(
         default_factory=lambda: os.environ.get("ROCKETKV_TIMING", "0") not in ("", "0"), repr=False

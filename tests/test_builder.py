@@ -22,7 +22,7 @@ BS = 16
 HKV, G, D = 3, 3, 64
 
 
-def _make_builder(model_path, rocketkv: dict, max_model_len: int, testing=None):
+def _make_builder(model_path, rocketkv: dict, max_model_len: int, testing=None, **engine_kw):
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -42,6 +42,7 @@ def _make_builder(model_path, rocketkv: dict, max_model_len: int, testing=None):
         max_model_len=max_model_len,
         enforce_eager=True,
         additional_config=extra,
+        **engine_kw,
     ).create_engine_config()
     with set_current_vllm_config(cfg):
         spec = RocketKVBackend.customize_spec(
@@ -695,3 +696,150 @@ def test_eager_triton_stage2_launches_at_the_engine_shape_like_the_oracle(model_
         oracle_kt = kt.clone()
         got = b.stage2.decode(query, kv, rows, D**-0.5)
         _check_against_oracle(s, got, query, k, v, oracle_kt, table, prompts, budgets)
+
+
+# -- selection reuse (rocketkv.reselect_every) --------------------------------
+
+
+@pytest.fixture(scope="module", params=["auto", "torch"])
+def reuse_builder(model_path, request):
+    """reselect_every 2 with the engine's CPU Stage 2: the C++ kernel
+    ("auto") or batched PyTorch."""
+    cfg = {"token_budget": 256, "reselect_every": 2, "kernel": request.param}
+    return _make_builder(model_path, cfg, 8192, block_size=BS)
+
+
+def _store(b):
+    from rocketkv_vllm.backend.graphs import selection_width
+
+    width = selection_width(b.settings, b.vllm_config.model_config.max_model_len)
+    slots = b.vllm_config.scheduler_config.max_num_seqs + 1
+    return torch.full((slots, HKV, width), -1, dtype=torch.int32)
+
+
+def _write_token(s, k, v, table, row, pos, gen):
+    """K/V of one more token of ``row`` at logical slot ``pos``."""
+    r = table[row].long()
+    paged.write_kv(
+        k,
+        v,
+        torch.randn(1, HKV, D, generator=gen),
+        torch.randn(1, HKV, D, generator=gen),
+        r[pos // BS : pos // BS + 1] * BS + pos % BS,
+    )
+
+
+def test_reused_selection_attends_the_pages_chosen_at_the_last_reselect(reuse_builder):
+    """reselect_every 2 through the builder and the engine's CPU Stage 2
+    (V2 slots): the token opening a page selects and stores; the next one
+    reuses; the one after reselects. Each step's output is the per-request
+    oracle's, the reuse step's with the pages chosen a step earlier (which a
+    fresh choice would not give: checked), and its KT page still updated."""
+    b = reuse_builder
+    s = b.settings
+    assert s.page_size % 2 == 0 and s.reselect_every == 2
+    prompts = {0: 1600, 1: 2400}  # both multiples of the page size
+    gen = torch.Generator().manual_seed(5)
+    table = torch.zeros(2, 512, dtype=torch.int32)
+    kv, k, v, kt = _compressed_requests(s, prompts, table, gen)
+    oracle_kt = kt.clone()
+    store = _store(b)
+    _v2_new_requests(b, [(20, 1600), (21, 2400)])
+    plans = {i: plan_request(s, n) for i, n in prompts.items()}
+    chosen = {}
+    reused_before = b.state.counters.decode_selections_reused
+    for step, want_reuse in enumerate([0, 1, 0]):
+        if step:
+            for i, n in prompts.items():
+                _write_token(s, k, v, table, i, n + step, gen)
+        cm = _cm(b, [(n + step, 1, n) for n in prompts.values()], table, req_idx=[20, 21])
+        rows = b.build(0, cm).decode
+        assert rows.reuse.tolist() == [want_reuse] * 2, step
+        slots = rows.sel_slot.tolist()
+        assert len(set(slots)) == 2 and min(slots) >= 0
+        query = torch.randn(2, HKV * G, D, generator=gen)
+        got = b.stage2.decode(query, kv, rows, D**-0.5, selections=store)
+        for i, n in prompts.items():
+            p = plans[i]
+            args = (k, v, oracle_kt, table[i].long(), p.num_compact, p.tail_start, n + step + 1)
+            args += (p.topk, p.topr, s.page_size, D**-0.5, s.force_current_page)
+            want, sel = paged.hsa_decode(
+                query[i],
+                *args,
+                selected=chosen.get(i) if want_reuse else None,
+                return_selected=True,
+            )
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+            if want_reuse:
+                _, fresh = paged.hsa_decode(query[i], *args, return_selected=True)
+                assert not torch.equal(fresh, sel), "a fresh choice would pass too"
+            chosen[i] = sel
+    # the KT pages, the reuse step's included (NaN: never written)
+    torch.testing.assert_close(kt, oracle_kt, rtol=0, atol=0, equal_nan=True)
+    assert b.state.counters.decode_selections_reused == reused_before + 2
+
+
+def test_reuse_follows_requests_not_rows(reuse_builder):
+    """Which rows reuse: V1 rows keyed by request id across a reorder, a
+    V2 slot taken by a new request, a skipped token, a prompt chunk, and a
+    selection wider than the store (a request's own larger budget)."""
+    b = reuse_builder
+    ps = b.settings.page_size
+    n = 4 * ps * 100  # a page starts at n: the first decode token opens one
+    requests = b.state.requests
+    table = _block_table(3)
+
+    def v1_step(ids, contexts, q_lens=None):
+        requests.row_ids = ids
+        q_lens = q_lens or [1] * len(ids)
+        rows = [(c, q, n) for c, q in zip(contexts, q_lens)]
+        decode = b.build(0, _cm(b, rows, table, runner="v1")).decode
+        return None if decode is None else (decode.sel_slot.tolist(), decode.reuse.tolist())
+
+    try:
+        slots, reuse = v1_step(["a", "b"], [n, n])
+        assert reuse == [0, 0]
+        # rows swapped: each request keeps its slot and reuses
+        assert v1_step(["b", "a"], [n + 1, n + 1]) == (slots[::-1], [1, 1])
+        assert v1_step(["a", "b"], [n + 2, n + 2])[1] == [0, 0]  # offset 2: reselect
+        # a's tokens recomputed in a chunk (after a preemption): forgotten,
+        # so its next token reselects; b jumps ahead 3 tokens: reselects
+        assert v1_step(["a"], [n], q_lens=[3]) is None
+        assert v1_step(["a", "b"], [n + 3, n + 5])[1] == [0, 0]
+        assert v1_step(["a", "b"], [n + 4, n + 6])[1] == [0, 0]  # a opens a page
+        assert v1_step(["a", "b"], [n + 5, n + 7])[1] == [1, 1]
+    finally:
+        requests.row_ids = []
+    # V2: a new request in a slot its predecessor left at a continuing length
+    _v2_new_requests(b, [(40, n)])
+    assert b.build(0, _cm(b, [(n + 4, 1, n)], table, req_idx=[40])).decode.reuse.tolist() == [0]
+    _v2_new_requests(b, [(40, n)])
+    for context, reuse in [(n + 5, 0), (n + 6, 0), (n + 7, 1)]:
+        rows = b.build(0, _cm(b, [(context, 1, n)], table, req_idx=[40])).decode
+        assert rows.reuse.tolist() == [reuse], context
+    # a budget selecting more than the store holds: no slot, never reuses
+    big = 30 * BS * ps  # a prompt its 2048 budget compresses
+    _v2_new_requests(b, [(41, big)], budgets=[2048])
+    for context in (big, big + 1):
+        rows = b.build(0, _cm(b, [(context, 1, big)], table, req_idx=[41])).decode
+        assert (rows.sel_slot.tolist(), rows.reuse.tolist()) == ([-1], [0])
+
+
+def test_selection_slots_go_to_the_request_unused_longest():
+    """More requests than slots: a new one takes the slot used longest ago
+    (never one of its own step's), and the request that lost it selects
+    afresh when it returns."""
+    from rocketkv_vllm.backend.reuse import SelectionReuse
+
+    r = SelectionReuse(every=4, page_size=4, num_slots=2, width=8)
+    use = np.array([3, 3])
+
+    def step(keys, seqs, num_use=use):
+        slots, reuse = r.plan(keys, np.array(seqs), num_use)
+        return slots.tolist(), reuse.tolist()
+
+    assert step(["x", "y"], [9, 9]) == ([0, 1], [0, 0])  # position 8 opens a page
+    assert step(["x", "y"], [10, 10]) == ([0, 1], [1, 1])
+    assert step(["x", "z"], [11, 5]) == ([0, 1], [1, 0])  # z takes y's slot
+    assert step(["y", "z"], [11, 6]) == ([0, 1], [0, 1])  # y takes x's
+    assert step(["x"], [12], np.array([9])) == ([-1], [0])  # wider than the store

@@ -11,7 +11,10 @@ cubin with the bundled ptxas and nothing is launched. Eight configurations
 and the eager launch shapes, page sizes 4 and 16, one fp32, and two fp8 KV
 caches, e4m3 and e5m2, compiled for sm_90 only: ROCKETKV refuses fp8 below
 compute capability 8.9) for two targets; the full sweep is the script's
-default.
+default. Stage 2's decode with a selection store (the REUSE specialization
+of its scoring and selection kernels) compiles the same way, in a
+subprocess of its own, for the same configurations on sm_80, sm_90 and
+sm_100 (where this Triton targets it).
 """
 
 from __future__ import annotations
@@ -118,6 +121,93 @@ def test_every_kernel_compiles_for_each_target(compiled):
             }
             assert got in (set(), set(DECODE)), (target, config, got)
     assert any(r["launcher"] == "hsa_decode" for r in records)
+
+
+# Compiles ``ops.triton.hsa_decode`` with a selection store (every row
+# reusing slot 0) through the script's own machinery (its stand-in driver and
+# launch shapes); writes the records, errors and the REUSE values compiled.
+REUSE_SCRIPT = """
+import json, sys
+import torch
+from unittest import mock
+from rocketkv_eval import compile_kernels as ck
+
+mods = ck.import_kernels()
+ops = mods["ops"]
+plain = ops.hsa_decode
+
+
+def with_store(query, k_cache, v_cache, kt_cache, *args, **kw):
+    rows, hkv = query.shape[0], kt_cache.shape[1]
+    store = torch.zeros(rows, hkv, 64, dtype=torch.int32)
+    slots = torch.zeros(rows, dtype=torch.int32)
+    return plain(
+        query, k_cache, v_cache, kt_cache, *args, selections=store, sel_slot=slots, reuse=slots,
+        **kw,
+    )
+
+
+configs = ck.CI_SUBSET
+targets = [t for t in ("sm_80", "sm_90", "sm_100") if t in ck.supported_targets()]
+with mock.patch.object(ops, "hsa_decode", with_store):
+    doc = ck.compile_configs(configs, targets, {"hsa_decode"})
+reuse = {}
+for name, fn in ck.jit_kernels(mods).items():
+    if "REUSE" in fn.arg_names:
+        i = fn.arg_names.index("REUSE")
+        reuse[name] = sorted({c.src.constants[(i,)] for c in fn.device_caches[0][0].values()})
+doc.update(targets=targets, configs=[c.name for c in configs], reuse=reuse)
+with open(sys.argv[1], "w") as f:
+    json.dump(doc, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_reuse(tmp_path_factory):
+    reason = _nvidia_backend()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("compile-reuse") / "reuse.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", REUSE_SCRIPT, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert out.exists(), f"no JSON written (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def test_decode_with_a_selection_store_compiles(compiled_reuse):
+    """The REUSE specialization of Stage 2's decode: its three kernels for
+    each target and configuration, no register spill in 16-bit ones, the
+    scoring and selection kernels compiled with REUSE on (and only so:
+    nothing else launched)."""
+    doc = compiled_reuse
+    assert doc["errors"] == [], "\n".join(
+        f"{e['target']} {e['config']} {e['launcher']}: {e['error'][:1500]}" for e in doc["errors"]
+    )
+    assert set(doc["targets"]) >= TARGETS
+    assert doc["reuse"] == {"_score_kernel": [True], "_select_kernel": [True]}
+    records = doc["records"]
+    for target in doc["targets"]:
+        for config in doc["configs"]:
+            got = {
+                r["kernel"]
+                for r in records
+                if r["target"] == target and r["config"] == config and r["launched"]
+            }
+            fp8_kv = "-kvfp8" in config
+            want = set() if fp8_kv and target == "sm_80" else set(DECODE)
+            assert got == want, (target, config, sorted(got))
+    for r in records:
+        where = f"{r['target']} {r['config']} {r['kernel']}"
+        assert 0 < r["regs"] <= 255 and r["blocks_per_sm"] >= 1, where
+        if r["dtype"] in ("bf16", "fp16"):
+            assert r["spill_stores"] + r["spill_loads"] == 0, where
 
 
 def test_compiled_artefacts_are_sane(compiled):

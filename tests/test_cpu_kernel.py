@@ -135,11 +135,11 @@ def test_amx_layout_needs_head_size_multiple_of_32():
         )
 
 
-def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, oracle=False):
-    storage, block_elems = _cache(hkv, d, bs, ps, dtype, kt_dtype)
-    kv, k, v, kt = _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype)
-    gen = torch.Generator().manual_seed(d + bs + ps)
-    # Three compressed requests of different lengths, budgets, top-k, top-r.
+def _compressed_requests(k, v, kt, hkv, g, d, bs, ps, dtype, gen):
+    """Three compressed requests of different lengths, budgets, top-k, top-r,
+    with the K/V of their next 2 * ps + 1 tokens already stored. Returns the
+    block table and the int32 columns (prompt lengths, num_compact,
+    tail_start, num_select, topr)."""
     specs = [(700, 160, 8, 16), (530, 96, 3, d), (401, 200, 1, 7)]
     rows, plans = [], []
     free = torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1
@@ -158,18 +158,25 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
         paged.snapkv_compress(k, v, kt, row, q_win, n, budget, tail, 7, ps, d**-0.5)
         rows.append(row)
         plans.append((n, budget - (n - tail), tail, pages_k, topr))
-    table = torch.stack(rows).int()
+    columns = (torch.tensor([p[i] for p in plans], dtype=torch.int32) for i in range(5))
+    return torch.stack(rows).int(), *columns
+
+
+def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, oracle=False):
+    storage, block_elems = _cache(hkv, d, bs, ps, dtype, kt_dtype)
+    kv, k, v, kt = _views(storage, block_elems, hkv, d, bs, ps, layout, kt_dtype)
+    gen = torch.Generator().manual_seed(d + bs + ps)
+    table, seq, num_compact, tail_start, num_select, topr = _compressed_requests(
+        k, v, kt, hkv, g, d, bs, ps, dtype, gen
+    )
     other = storage.clone()
     kv2, k2, v2, kt2 = _views(other, block_elems, hkv, d, bs, ps, layout, kt_dtype)
     if oracle:  # a third copy for the per-request oracle (it updates KT pages too)
         third = storage.clone()
         _, k3, v3, kt3 = _views(third, block_elems, hkv, d, bs, ps, layout, kt_dtype)
-    col = lambda i: torch.tensor([p[i] for p in plans], dtype=torch.int32)  # noqa: E731
-    num_compact, tail_start, num_select, topr = col(1), col(2), col(3), col(4)
-    seq = col(0)
     for _ in range(2 * ps + 1):  # crosses page boundaries
         seq = seq + 1
-        query = _query(len(plans), hkv, g, d, dtype, gen)
+        query = _query(len(seq), hkv, g, d, dtype, gen)
         max_pages = int(((num_compact + ps - 1) // ps + (seq - tail_start + ps - 1) // ps).max())
         view = torch_ops.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
         want = torch_ops.hsa_decode(
@@ -206,7 +213,7 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         torch.testing.assert_close(kt2, kt, rtol=0, atol=0, equal_nan=True)
         if oracle:
-            for b in range(len(plans)):
+            for b in range(len(seq)):
                 ref = paged.hsa_decode(
                     query[b],
                     k3,
@@ -226,3 +233,322 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
                     got[b], ref, rtol=tol, atol=tol, msg=f"row {b} differs from the oracle"
                 )
             torch.testing.assert_close(kt2, kt3, rtol=0, atol=0, equal_nan=True)
+
+
+# ---- the selection store (``Stage2.decode``'s selections, ``HsaRows.reuse``)
+
+_EMPTY = -7  # never a page index: marks store entries no call wrote
+
+
+class _Setup:
+    """The three compressed requests in two copies of one cache: ``kv``/``kt``
+    for the native calls under test, ``k_ref``/``v_ref``/``kt_ref`` for the
+    PyTorch path (it updates its own KT pages)."""
+
+    hkv, g, d, bs, ps = 3, 3, 64, 32, 4
+
+    def __init__(self, layout, force, seed=11):
+        self.layout, self.force = layout, force
+        hkv, g, d, bs, ps = self.hkv, self.g, self.d, self.bs, self.ps
+        storage, block_elems = _cache(hkv, d, bs, ps, torch.float32)
+        self.kv, k, v, self.kt = _views(storage, block_elems, hkv, d, bs, ps, layout)
+        # fp32 random data: no ties among page probabilities
+        self.gen = torch.Generator().manual_seed(seed)
+        (self.table, self.prompt, self.num_compact, self.tail_start, self.num_select, self.topr) = (
+            _compressed_requests(k, v, self.kt, hkv, g, d, bs, ps, torch.float32, self.gen)
+        )
+        self.storage, self.block_elems = storage, block_elems
+        _, self.k_ref, self.v_ref, self.kt_ref = self.copy()
+
+    def copy(self):
+        return _views(
+            self.storage.clone(), self.block_elems, self.hkv, self.d, self.bs, self.ps, self.layout
+        )
+
+    def query(self):
+        return _query(len(self.prompt), self.hkv, self.g, self.d, torch.float32, self.gen)
+
+    def num_pages(self, seq):
+        ps = self.ps
+        return (self.num_compact + ps - 1) // ps + (seq - self.tail_start + ps - 1) // ps
+
+    def selection_size(self, seq):
+        """Each row's n: num_select (at least one) + the forced page, at most the view."""
+        n = self.num_select.clamp_min(1) + int(self.force)
+        return torch.minimum(n, self.num_pages(seq))
+
+    def native(self, query, seq, kv=None, kt=None, **store):
+        return cpu_ops.hsa_decode(
+            query,
+            self.kv if kv is None else kv,
+            self.kt if kt is None else kt,
+            self.layout,
+            self.table,
+            self.num_compact,
+            self.tail_start,
+            seq,
+            self.topr,
+            self.num_select,
+            self.ps,
+            self.d**-0.5,
+            self.force,
+            **store,
+        )
+
+    def torch_step(self, query, seq):
+        """The PyTorch path's KT update and choice: (view pages, top, valid)."""
+        view = torch_ops.view_pages(
+            self.table,
+            self.num_compact,
+            self.tail_start,
+            seq,
+            self.ps,
+            self.bs,
+            int(self.num_pages(seq).max()),
+        )
+        torch_ops.update_kt(self.k_ref, self.kt_ref, self.table, seq, self.ps)
+        top, valid = torch_ops.select_pages(
+            query,
+            self.kt_ref,
+            view,
+            self.topr,
+            self.num_select,
+            int(self.num_select.max()),
+            self.force,
+        )
+        return view, top, valid
+
+    def attend(self, query, view, top, valid):
+        return torch_ops.sparse_attention(
+            query, self.k_ref, self.v_ref, view, top, valid, self.ps, self.d**-0.5
+        )
+
+
+@pytest.mark.parametrize(
+    "layout,force",
+    [("head_rows", True), ("head_rows", False), ("cpu_vec", True), ("cpu_amx", False)],
+)
+def test_native_stage2_reuses_stored_selection(layout, force):
+    t = _Setup(layout, force)
+    _, _, _, kt_plain = plain = t.copy()  # today's calls, without a store
+    batch, tol = len(t.prompt), dict(rtol=1e-5, atol=1e-5)
+    sel_slot = torch.tensor([2, 0, 3], dtype=torch.int32)  # slot 1 stays unused
+    store = torch.full((4, t.hkv, 11), _EMPTY, dtype=torch.int32)
+
+    # Step 1: every row chooses and writes its choice to its slot.
+    seq1 = t.prompt + 1
+    n1 = t.selection_size(seq1)
+    q1 = t.query()
+    reuse = torch.zeros(batch, dtype=torch.int32)
+    out1 = t.native(q1, seq1, selections=store, sel_slot=sel_slot, reuse=reuse)
+    view1, top1, valid1 = t.torch_step(q1, seq1)
+    torch.testing.assert_close(out1, t.native(q1, seq1, plain[0], kt_plain), rtol=0, atol=0)
+    torch.testing.assert_close(out1, t.attend(q1, view1, top1, valid1), **tol)
+    for b in range(batch):
+        entries = store[sel_slot[b]]
+        for h in range(t.hkv):
+            chosen = set(top1[b, h][valid1[b, h]].tolist())
+            assert set(entries[h, : n1[b]].tolist()) == chosen, f"row {b}, KV head {h}"
+        assert (entries[:, n1[b] :] == _EMPTY).all()  # only the n entries are written
+    assert (store[1] == _EMPTY).all()
+    stored1 = store.clone()
+
+    # Step 2: one more token, in the same page; rows 0 and 2 attend step 1's
+    # pages, row 1 chooses afresh (and rewrites its slot).
+    seq2 = seq1 + 1
+    assert ((seq2 - 1) % t.ps != 0).all(), "the new token must not open a page"
+    n2 = t.selection_size(seq2)
+    assert torch.equal(n2, n1)
+    q2 = t.query()
+    reuse = torch.tensor([1, 0, 1], dtype=torch.int32)
+    out2 = t.native(q2, seq2, selections=store, sel_slot=sel_slot, reuse=reuse)
+    view2, top2, valid2 = t.torch_step(q2, seq2)
+    # Reusing rows' KT pages are updated too.
+    torch.testing.assert_close(t.kt, t.kt_ref, rtol=0, atol=0, equal_nan=True)
+    width = int(n1.max())
+    stored_top = stored1[sel_slot, :, :width].long().clamp_min(0)
+    stored_valid = (torch.arange(width) < n1[:, None, None]).expand_as(stored_top)
+    want_reused = t.attend(q2, view2, stored_top, stored_valid)
+    want_plain = t.native(q2, seq2, plain[0], kt_plain)
+    for b in range(batch):
+        if reuse[b]:
+            torch.testing.assert_close(out2[b], want_reused[b], **tol)
+            assert torch.equal(store[sel_slot[b]], stored1[sel_slot[b]])
+        else:
+            torch.testing.assert_close(out2[b], want_plain[b], rtol=0, atol=0)
+            for h in range(t.hkv):
+                chosen = set(top2[b, h][valid2[b, h]].tolist())
+                assert set(store[sel_slot[b], h, : n2[b]].tolist()) == chosen
+    # The test means something only where step 2 would have chosen otherwise.
+    assert any(
+        set(stored1[sel_slot[b], h, : n1[b]].tolist()) != set(top2[b, h][valid2[b, h]].tolist())
+        for b in range(batch)
+        if reuse[b]
+        for h in range(t.hkv)
+    )
+
+
+def test_native_stage2_idle_store_changes_nothing():
+    t = _Setup("cpu_vec", True)
+    _, _, _, kt_plain = plain = t.copy()
+    store = torch.randint(-5, 5, (2, t.hkv, 11), generator=t.gen, dtype=torch.int32)
+    before = store.clone()
+    batch = len(t.prompt)
+    for seq in (t.prompt + 1, t.prompt + 2):
+        q = t.query()
+        got = t.native(
+            q,
+            seq,
+            selections=store,
+            sel_slot=torch.full((batch,), -1, dtype=torch.int32),
+            reuse=torch.zeros(batch, dtype=torch.int32),
+        )
+        torch.testing.assert_close(got, t.native(q, seq, plain[0], kt_plain), rtol=0, atol=0)
+    torch.testing.assert_close(t.kt, kt_plain, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(store, before)
+
+
+def test_native_stage2_padding_rows_leave_the_store_alone():
+    # Rows 1 and 3 are padding (seq_len 0): one would write slot 0, the other
+    # reuse slot 1, whose entries are no pages at all.
+    t = _Setup("head_rows", False)
+    _, _, _, kt_plain = plain = t.copy()
+    seq = t.prompt + 1
+    q = t.query()
+    store = torch.full((2, t.hkv, 11), _EMPTY, dtype=torch.int32)
+    real = torch.tensor([0, 2, 4])
+    padded = torch.zeros(5, dtype=torch.int32)
+    padded[real] = seq
+    spread = lambda col: torch.zeros(5, dtype=col.dtype).index_copy(0, real, col)  # noqa: E731
+    got = cpu_ops.hsa_decode(
+        torch.zeros(5, *q.shape[1:]).index_copy(0, real, q),
+        t.kv,
+        t.kt,
+        t.layout,
+        torch.zeros(5, t.table.shape[1], dtype=t.table.dtype).index_copy(0, real, t.table),
+        spread(t.num_compact),
+        spread(t.tail_start),
+        padded,
+        spread(t.topr),
+        spread(t.num_select),
+        t.ps,
+        t.d**-0.5,
+        t.force,
+        selections=store,
+        sel_slot=torch.tensor([-1, 0, -1, 1, -1], dtype=torch.int32),
+        reuse=torch.tensor([0, 0, 0, 1, 0], dtype=torch.int32),
+    )
+    torch.testing.assert_close(got[real], t.native(q, seq, plain[0], kt_plain), rtol=0, atol=0)
+    assert (store == _EMPTY).all()
+
+
+def test_cpu_stage2_passes_the_store():
+    """``CpuStage2.decode(..., selections=)`` hands the rows' slots and reuse
+    flags to the kernel: the same outputs and store as the direct call."""
+    from rocketkv_vllm.config import RocketKVSettings
+    from rocketkv_vllm.ops.base import HsaRows
+
+    t = _Setup("cpu_vec", True)
+    settings = RocketKVSettings(
+        page_size=t.ps, block_size=t.bs, head_dim=t.d, force_current_page=t.force
+    )
+    stage2 = cpu_ops.CpuStage2(settings, t.layout)
+    kv_direct, _, _, kt_direct = t.copy()
+    batch = len(t.prompt)
+    store = torch.full((batch, t.hkv, 11), _EMPTY, dtype=torch.int32)
+    direct = store.clone()
+
+    def rows(seq, reuse, sel_slot):
+        return HsaRows(
+            tokens=torch.arange(batch),
+            block_table=t.table,
+            num_compact=t.num_compact,
+            tail_start=t.tail_start,
+            seq_lens=seq,
+            topk=t.num_select * t.ps,
+            topr=t.topr,
+            num_select=t.num_select,
+            max_pages=int(t.num_pages(seq).max()),
+            max_select=int(t.num_select.max()),
+            sel_slot=sel_slot,
+            reuse=torch.full((batch,), reuse, dtype=torch.int32),
+        )
+
+    slots = torch.arange(batch, dtype=torch.int32)
+    for step, reuse in ((1, 0), (2, 1)):
+        seq = t.prompt + step
+        q = t.query()
+        r = rows(seq, reuse, slots)
+        got = stage2.decode(q, t.kv, r, t.d**-0.5, selections=store)
+        want = t.native(
+            q, seq, kv_direct, kt_direct, selections=direct, sel_slot=r.sel_slot, reuse=r.reuse
+        )
+        assert torch.equal(got, want) and torch.equal(store, direct)
+    assert not torch.equal(got, stage2.decode(q, t.kv, r, t.d**-0.5))  # step 2 reused
+    with pytest.raises(ValueError, match="come together"):
+        stage2.decode(q, t.kv, rows(seq, 0, None), t.d**-0.5, selections=store)
+
+
+def _one_row_call(**store):
+    """A one-row call on an empty cache: view of 2 pages, n = 1 (no forced page)."""
+    storage, block_elems = _cache(1, 32, 32, 4, torch.float32)
+    kv, _, _, kt = _views(storage, block_elems, 1, 32, 32, 4, "head_rows")
+    ones = torch.ones(1, dtype=torch.int32)
+    return cpu_ops.hsa_decode(
+        torch.zeros(1, 1, 32),
+        kv,
+        kt,
+        "head_rows",
+        torch.ones(1, 1, dtype=torch.int32),
+        ones * 0,
+        ones * 0,
+        ones * 5,
+        ones,
+        ones,
+        4,
+        0.1,
+        False,
+        **store,
+    )
+
+
+def test_selection_store_arguments_come_together():
+    store = torch.zeros(1, 1, 4, dtype=torch.int32)
+    slot = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="come together"):
+        _one_row_call(selections=store, sel_slot=slot)
+    with pytest.raises(ValueError, match="come together"):
+        _one_row_call(sel_slot=slot, reuse=slot)
+
+
+_I32 = torch.int32
+
+
+@pytest.mark.parametrize(
+    "store,slot,reuse,message",
+    [
+        (torch.zeros(1, 1, 4, dtype=torch.int64), 0, 0, "contiguous int32 CPU tensor"),
+        (torch.zeros(1, 1, 8, dtype=_I32)[..., ::2], 0, 0, "contiguous int32 CPU tensor"),
+        (torch.zeros(1, 2, 4, dtype=_I32), 0, 0, r"must be \[S, 1, W\]"),
+        (torch.zeros(1, 1, 4, dtype=_I32), 1, 0, "outside"),
+        (torch.zeros(1, 1, 4, dtype=_I32), -1, 1, "reuses but has no sel_slot"),
+        (torch.zeros(1, 1, 0, dtype=_I32), 0, 1, "more than the store's width"),
+        (torch.full((1, 1, 4), 2, dtype=_I32), 0, 1, "reuses page 2 of a view of 2 pages"),
+    ],
+)
+def test_selection_store_is_checked(store, slot, reuse, message):
+    with pytest.raises(RuntimeError, match=message):
+        _one_row_call(
+            selections=store,
+            sel_slot=torch.tensor([slot], dtype=_I32),
+            reuse=torch.tensor([reuse], dtype=_I32),
+        )
+
+
+def test_selection_rows_are_checked():
+    with pytest.raises(RuntimeError, match="sel_slot and reuse must be contiguous int32"):
+        _one_row_call(
+            selections=torch.zeros(1, 1, 4, dtype=_I32),
+            sel_slot=torch.tensor([0], dtype=torch.int64),
+            reuse=torch.tensor([0], dtype=_I32),
+        )

@@ -239,14 +239,20 @@ def test_chunked_prefill_gives_the_same_output(model_path, tokenizer):
         assert list(a) == list(b)
 
 
-@pytest.mark.parametrize("kt_dtype,graph_layout", [("auto", True), ("fp8_e4m3", False)])
-def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtype, graph_layout):
+@pytest.mark.parametrize(
+    "kt_dtype,graph_layout,reselect_every", [("auto", True, 3), ("fp8_e4m3", False, 1)]
+)
+def test_triton_path_forced_on_matches_torch_path(
+    model_path, tokenizer, kt_dtype, graph_layout, reselect_every
+):
     """The Triton kernels (interpreted on CPU) inside the engine: same tokens
     as the PyTorch path, with compression, a mixed batch and a dense row.
     With ``force_graph_layout`` every decode step of both rows is laid out
     as a FULL CUDA graph replays it (backend.graphs): Stage 2 over both rows
     with launch shapes from max_model_len, the dense row left to the native
-    backend, written in place. On a tiny random Llama with SmolLM2's head
+    backend, written in place; there each selection also serves up to 3
+    steps (``reselect_every``, the selection stores of both paths). On a
+    tiny random Llama with SmolLM2's head
     geometry (head dim 64, GQA 3:1), 2 layers: the interpreter runs every
     program of every launch, 30 layers of it would take ~10 minutes."""
     from rocketkv_eval.tiny_model import prepare_tiny_model
@@ -257,6 +263,7 @@ def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtyp
         _chat(tokenizer, "Name three colours."),
     ]
     cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
+    cfg["reselect_every"] = reselect_every
     from rocketkv_vllm.state import existing_worker_state
 
     results, guards = [], []
@@ -264,7 +271,9 @@ def test_triton_path_forced_on_matches_torch_path(model_path, tokenizer, kt_dtyp
         llm = make_llm(tiny, "ROCKETKV", dict(cfg, kernel=kernel), testing=testing)
         results.append(_greedy_with_logprobs(llm, prompts, 5))
         # The builder laid steps out for FULL graphs (its guard for the runner).
-        guards.append(existing_worker_state(llm.llm_engine.vllm_config).graph_guard is not None)
+        state = existing_worker_state(llm.llm_engine.vllm_config)
+        guards.append(state.graph_guard is not None)
+        assert (state.counters.decode_selections_reused > 0) == (reselect_every > 1)
         shutdown(llm)
     assert guards == [False, graph_layout]
     (torch_ids, torch_lp), (triton_ids, triton_lp) = results
@@ -298,3 +307,49 @@ def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(model_path, tokeniz
     assert native_ids == torch_ids
     bf16_blocks = _rocketkv_tokens(model_path, {"token_budget": 256}, prompts[:1], 1)[1]
     assert fp8_blocks > bf16_blocks, (fp8_blocks, bf16_blocks)
+
+
+def test_selection_reuse_follows_each_request_through_a_mixed_batch(model_path, tokenizer):
+    """reselect_every 4 (each selection serves the rest of its page): one
+    request at a time in batched PyTorch, and all together in the C++
+    kernel with 2 selection slots for 3 requests (slots change hands), give
+    the same tokens; alone, exactly the decode steps the rule names reuse
+    (the first decode step of a request and a token opening a page select),
+    and every layer's store holds what its kernel wrote."""
+    from vllm import SamplingParams
+
+    from rocketkv_vllm.config import settings_for
+    from rocketkv_vllm.state import existing_worker_state
+
+    prompts = [
+        build_needle_prompt(tokenizer, 1000, 0.3, seed=51).prompt,
+        build_needle_prompt(tokenizer, 1500, 0.6, seed=52).prompt,
+        build_needle_prompt(tokenizer, 1200, 0.5, seed=53).prompt,
+    ]
+    cfg = {"token_budget": 256, "reselect_every": 4}
+    new_tokens = 16
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    results = []
+    for kernel, max_num_seqs in (("torch", 1), ("auto", 2)):
+        llm = make_llm(model_path, "ROCKETKV", dict(cfg, kernel=kernel), max_num_seqs=max_num_seqs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        config = llm.llm_engine.vllm_config
+        assert settings_for(config).page_size == 4
+        counters = existing_worker_state(config).counters
+        layers = config.compilation_config.static_forward_context.values()
+        stores = [layer.impl.selections for layer in layers if hasattr(layer, "impl")]
+        assert len(stores) == 30 and all((st >= 0).any() for st in stores)
+        results.append((outs, counters.decode_selections_reused, counters.prompts_compressed))
+        shutdown(llm)
+    (alone, alone_reused, compressed), (mixed, _, _) = results
+    assert compressed == len(prompts)
+    assert [list(o.outputs[0].token_ids) for o in mixed] == [
+        list(o.outputs[0].token_ids) for o in alone
+    ]
+    # decode token positions p = L .. L + new_tokens - 2 of a prompt of L
+    # tokens (the first output token comes from the prefill); p = L selects
+    want = sum(
+        sum(1 for p in range(n + 1, n + new_tokens - 1) if p % 4)
+        for n in (len(o.prompt_token_ids) for o in alone)
+    )
+    assert alone_reused == want

@@ -1047,6 +1047,266 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
 
 
 # --------------------------------------------------------------------------
+# Selection reuse across decode steps (hsa_decode's selection store)
+
+# Per row: (num_compact, tail_start, seq_len before step 1) -- steps 1 and 2
+# each add a token, both on the same view page --, its store slot (-1:
+# none), topk in pages, and whether it reuses its stored pages at step 2.
+# The store is 3 + f entries wide, max_select 4 (n_sel 4 + f).
+REUSE_ROWS = [
+    ((37, 96, 150), 2, 3, 1),  # a long view: reuses at step 2
+    ((64, 64, 70), 0, 2, 0),  # chooses and stores again at step 2
+    ((0, 0, 0), 1, 1, 1),  # padding, slot and reuse set: the store untouched
+    ((13, 32, 40), 3, 4, 0),  # n_use 4 + f over the width: never stored
+    ((40, 128, 140), -1, 1, 1),  # no slot: reuse means nothing
+    ((20, 48, 60), 4, 3, 1),
+]
+REUSE_WIDTH, REUSE_MAX_SELECT = 3, 4
+
+
+def _kt_after_token(c, rows, seqs):
+    """A copy of the cache with each row's newest KT page (token seq - 1)
+    rebuilt by the reference's ``write_kt_pages``."""
+    ref = c.clone()
+    for b, seq in enumerate(seqs):
+        if seq:
+            lo = (seq - 1) // c.ps * c.ps  # tail pages start at the ps-aligned tail_start
+            torch_ops.write_kt_pages(ref.k, ref.kt, rows[b], lo, seq, c.ps)
+    return ref
+
+
+@parametrize(
+    "hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,sms",
+    [
+        (2, 2, 64, 16, 4, F32, False, "token", AUTO, None),
+        (2, 3, 64, 16, 2, BF16, True, "head_rows", FP8, 64),
+    ],
+)
+def test_hsa_decode_selection_reuse(hkv, g, d, bs, ps, dtype, force, layout, kt_dtype, sms):
+    """Two decode steps with a selection store. Step 1 (no row reuses): the
+    output and caches are the call's without a store, and each slotted row's
+    stored pages are the PyTorch path's choice (as sets; random data, no
+    ties). Step 2 (one more token on the same page): a reusing row attends
+    exactly step 1's stored pages of the grown view and still gets its KT
+    page updated; the other rows are as without a store. Padding rows, rows
+    without a slot and rows choosing more pages than the store holds leave
+    it untouched; every merge counter is back at 0 after each call. A store
+    with no slot set changes nothing."""
+    specs = [r[0] for r in REUSE_ROWS]
+    f = int(force)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=ps, layout=layout, kt_dtype=kt_dtype)
+    table = _table(rows)
+    gen = torch.Generator().manual_seed(13)
+    seqs1 = [s + 1 if s else 0 for _, _, s in specs]
+    seqs2 = [s + 2 if s else 0 for _, _, s in specs]
+    for _, ts, seq in specs:
+        if seq:  # step 2's token: same view page, room in the row's blocks
+            assert (seq - ts) // ps == (seq + 1 - ts) // ps and (seq + 1) % bs
+    slots = _ints([r[1] for r in REUSE_ROWS])
+    topk = [r[2] * ps for r in REUSE_ROWS]
+    topr = [d, 16, 16, 7, d // 2, 16]
+    nc_t, ts_t = (_ints([s[i] for s in specs]) for i in (0, 1))
+    max_pages = max(paged.view_page_starts(*s, ps, "cpu").numel() for s in specs) + 3
+    scale = d**-0.5
+    num_pages = [
+        paged.view_page_starts(nc, ts, sq, ps, "cpu").numel()
+        for (nc, ts, _), sq in zip(specs, seqs1)
+    ]
+    n_use = [min(max(k // ps, 1) + f, n, REUSE_MAX_SELECT + f) for k, n in zip(topk, num_pages)]
+    width = REUSE_WIDTH + f
+    sms = sms or sparse_decode_module.num_sms(DEVICE)
+    ws = triton_ops.DecodeWorkspace(
+        DEVICE, len(specs), hkv * g, hkv, d, max_pages, REUSE_MAX_SELECT, force, sms=sms
+    )
+    plan = triton_ops.plan_decode(
+        len(specs), hkv * g, hkv, d, max_pages, REUSE_MAX_SELECT, ps, force, dtype, sms
+    )
+    assert ws.fits(plan)  # the calls use its counters
+
+    def step(cache, q, seqs, **store):
+        args = (table, nc_t, ts_t, _ints(seqs), _ints(topk), _ints(topr), ps, scale)
+        with (
+            mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
+            mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
+        ):
+            out = triton_ops.hsa_decode(
+                q,
+                cache.k,
+                cache.v,
+                cache.kt,
+                *args,
+                max_pages,
+                REUSE_MAX_SELECT,
+                force,
+                workspace=ws,
+                **store,
+            )
+        assert bool((ws.counters == 0).all()), "a merge counter was left set"
+        return out
+
+    def torch_choice(b, q, kt, seqs):
+        """Row b's pages as the PyTorch path (``ops.pytorch.select_pages``)
+        chooses them, a set per KV head."""
+        nc, ts, _ = specs[b]
+        pages = torch_ops.view_pages(
+            table[b : b + 1], *(_ints([v]) for v in (nc, ts, seqs[b])), ps, bs, max_pages
+        )
+        top, valid = torch_ops.select_pages(
+            q[b : b + 1],
+            kt,
+            pages,
+            _ints(topr[b : b + 1]),
+            _ints([topk[b] // ps]),
+            REUSE_MAX_SELECT,
+            force,
+        )
+        return [set(top[0, h][valid[0, h]].tolist()) for h in range(hkv)]
+
+    def new_tokens(seqs):
+        for b, seq in enumerate(seqs):
+            if seq:
+                c.fill(rows[b], seq - 1, seq, gen)
+
+    # Step 1: every slotted row chooses and stores.
+    new_tokens(seqs1)
+    q1 = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
+    ref1 = _kt_after_token(c, rows, seqs1)
+    plain, unslotted = c.clone(), c.clone()
+    want1 = step(plain, q1, seqs1)
+    store = torch.full((5, hkv, width), -7, dtype=torch.int32, device=DEVICE)
+    no_reuse = _ints([0] * len(specs))
+    out1 = step(c, q1, seqs1, selections=store, sel_slot=slots, reuse=no_reuse)
+    assert torch.equal(out1, want1)
+    _same_storage(c, ref1)
+    _same_storage(plain, ref1)
+    idle = torch.full_like(store, -7)
+    out_idle = step(
+        unslotted, q1, seqs1, selections=idle, sel_slot=_ints([-1] * len(specs)), reuse=no_reuse
+    )
+    assert torch.equal(out_idle, want1) and bool((idle == -7).all())
+    _same_storage(unslotted, ref1)
+    stored1 = store.clone()
+    for b, (_, slot, _, _) in enumerate(REUSE_ROWS):
+        if slot < 0:
+            continue
+        if seqs1[b] == 0 or n_use[b] > width:
+            _untouched(stored1[slot], -7, f"slot {slot} of row {b}")
+            continue
+        want = torch_choice(b, q1, ref1.kt, seqs1)
+        for h in range(hkv):
+            got = stored1[slot, h, : n_use[b]].tolist()
+            assert set(got) == want[h] and len(want[h]) == n_use[b], (b, h, got, want[h])
+        _untouched(stored1[slot, :, n_use[b] :], -7, f"slot {slot} past row {b}'s n_use")
+    _untouched(stored1[1], -7, "the padding row's slot")  # (slot 1)
+
+    # Step 2: one more token on the same page; the flagged rows reuse.
+    new_tokens(seqs2)
+    q2 = _queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
+    ref2 = _kt_after_token(c, rows, seqs2)
+    plain = c.clone()
+    want2 = step(plain, q2, seqs2)
+    reuse = [r[3] for r in REUSE_ROWS]
+    out2 = step(c, q2, seqs2, selections=store, sel_slot=slots, reuse=_ints(reuse))
+    _same_storage(c, ref2)  # the reusing rows' KT pages were updated too
+    changed = 0  # (row, head)s whose step-2 choice differs from the stored one
+    for b, ((nc, ts, _), slot, _, _) in enumerate(REUSE_ROWS):
+        if seqs2[b] == 0:
+            assert bool((out2[b] == 0).all())
+        elif reuse[b] and slot >= 0:
+            pages = stored1[slot, :, : n_use[b]].long()
+            ref = _sparse_ref(q2[b], c, rows[b], nc, ts, seqs2[b], pages, scale)
+            _close(out2[b], ref, dtype, msg=f"reusing row {b}")
+            choice = torch_choice(b, q2, ref2.kt, seqs2)
+            changed += sum(set(pages[h].tolist()) != choice[h] for h in range(hkv))
+        else:
+            assert torch.equal(out2[b], want2[b]), f"row {b}"
+    assert changed, "step 2 would choose step 1's pages anyway: reuse untested"
+    # row 1 stored its new choice; the reusing rows' slots are as they were
+    want = torch_choice(1, q2, ref2.kt, seqs2)
+    for h in range(hkv):
+        assert set(store[0, h, : n_use[1]].tolist()) == want[h]
+    assert torch.equal(store[1:], stored1[1:])
+    assert torch.equal(store[0, :, n_use[1] :], stored1[0, :, n_use[1] :])
+
+
+def test_hsa_decode_selection_store_refusals():
+    """The store's three arguments go together, and not with the checking
+    aids (probs_out, select_impl="torch"): refused before any launch."""
+    q = torch.zeros(1, 2, 64, device=DEVICE)
+    store = torch.zeros(1, 1, 4, dtype=torch.int32, device=DEVICE)
+    one = _ints([0])
+    base = (q, None, None, None, None, one, one, one, one, one, 4, 1.0, 8, 2)
+    cases = [
+        (dict(selections=store), "together"),
+        (dict(selections=store, sel_slot=one), "together"),
+        (dict(sel_slot=one, reuse=one), "together"),
+        (dict(selections=store, sel_slot=one, reuse=one, select_impl="torch"), "select_impl"),
+        (
+            dict(selections=store, sel_slot=one, reuse=one, probs_out=torch.zeros(1, 1, 8)),
+            "probs_out",
+        ),
+        (dict(selections=store.long(), sel_slot=one, reuse=one), "int32"),
+    ]
+    for kwargs, words in cases:
+        try:
+            triton_ops.hsa_decode(*base, **kwargs)
+        except ValueError as exc:
+            assert words in str(exc), (sorted(kwargs), exc)
+        else:
+            raise AssertionError(f"accepted {sorted(kwargs)}")
+
+
+def test_triton_stage2_passes_the_selection_store():
+    """``TritonStage2.decode`` hands the store and the rows' slot / reuse
+    columns to ``hsa_decode`` (sliced with the rows in eager chunks), and
+    nothing of them without a store."""
+    from types import SimpleNamespace
+
+    from rocketkv_vllm.ops.base import HsaRows
+
+    c = Cache(4, 2, 64, 16, 4, F32)
+    ints = _ints([0, 1, 2])
+    rows = HsaRows(
+        tokens=ints,
+        block_table=_table([c.new_row(1) for _ in range(3)]),
+        num_compact=ints,
+        tail_start=ints,
+        seq_lens=ints,
+        topk=ints,
+        topr=ints,
+        num_select=ints,
+        max_pages=4,
+        max_select=2,
+        sel_slot=_ints([5, -1, 6]),
+        reuse=_ints([1, 0, 1]),
+    )
+    settings = SimpleNamespace(page_size=4, force_current_page=True, kt_dtype=AUTO)
+    stage2 = triton_ops.TritonStage2(settings, "token")
+    store = torch.zeros(8, 2, 3, dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(3, 4, 64, device=DEVICE)
+    calls = []
+
+    def fake(query, *args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros_like(query)
+
+    with (
+        mock.patch.object(triton_ops, "hsa_decode", fake),
+        mock.patch.object(triton_ops.TritonStage2, "eager_chunk", staticmethod(lambda *a: 2)),
+    ):
+        stage2.decode(q, c.kv, rows, 1.0, selections=store)
+        assert [kw["selections"] is store for kw in calls] == [True, True]
+        assert [kw["sel_slot"].tolist() for kw in calls] == [[5, -1], [6]]
+        assert [kw["reuse"].tolist() for kw in calls] == [[1, 0], [1]]
+        calls.clear()
+        stage2.decode(q, c.kv, rows, 1.0, out=torch.zeros_like(q), selections=store)
+        assert calls[0]["sel_slot"].tolist() == [5, -1, 6]
+        calls.clear()
+        stage2.decode(q, c.kv, rows, 1.0)
+        assert not any(k in kw for kw in calls for k in ("selections", "sel_slot", "reuse"))
+
+
+# --------------------------------------------------------------------------
 # Minimal runner for hosts without pytest.
 
 

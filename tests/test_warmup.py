@@ -210,10 +210,14 @@ STAGE2_KERNELS = {
 }
 
 
-def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkeypatch):
+@pytest.mark.parametrize("reselect_every", [1, 2])
+def test_warm_up_launches_every_key_eager_decode_steps_launch(
+    model_path, monkeypatch, reselect_every
+):
     """Stage 2 steps built by the metadata builder for the eager path (batches
     of 1 to 9 compressed rows, a request with its own larger budget among
-    them) launch only keys ``warm_up_stage2`` launched. The GPU is a 6-SM
+    them) launch only keys ``warm_up_stage2`` launched, also with the
+    layer's selection store (``reselect_every``). The GPU is a 6-SM
     one here, so the split counts (and with them the constexprs) change
     with the batch as on an H200, at grids the interpreter can run."""
     import test_builder as tb
@@ -223,7 +227,9 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkey
     for module in (hsa_score, sparse_decode):
         monkeypatch.setattr(module, "num_sms", lambda device: 6)
     max_model_len = 2048
-    b = tb._make_builder(model_path, {"token_budget": 256, "kernel": "triton"}, max_model_len)
+    cfg = {"token_budget": 256, "kernel": "triton", "reselect_every": reselect_every}
+    b = tb._make_builder(model_path, cfg, max_model_len)
+    store = tb._store(b) if reselect_every > 1 else None
     assert b.stage2.fixed_shapes and b.graph is None
     s = b.settings
     table = torch.zeros(9, 512, dtype=torch.int32)
@@ -245,6 +251,7 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkey
         query_dtype=torch.float32,
         scale=scale,
         sinks=None,
+        selections=store,
     )
     warm = set(seen)
     assert {k[0] for k in warm} == set(STAGE2_KERNELS)
@@ -267,7 +274,7 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(model_path, monkey
         rows = b.build(0, cm).decode
         assert rows is not None and not rows.in_place and rows.seq_lens.numel() == batch
         query = torch.randn(batch, hq, tb.D, generator=gen)
-        b.stage2.decode(query[rows.tokens], kv, rows, scale)
+        b.stage2.decode(query[rows.tokens], kv, rows, scale, selections=store)
     real = set(seen)
     assert {k[0] for k in real} == set(STAGE2_KERNELS)
     assert len(real) >= 6, f"{len(real)} keys: the steps did not vary the plan"

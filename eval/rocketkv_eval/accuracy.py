@@ -30,6 +30,10 @@ at token budget B (tokens attended per decode step):
   scoring, the same kernels as the other methods).
 - ``rocketkv_fp8kt``: ``rocketkv`` with ``"kt_dtype": "fp8_e4m3"`` (KT pages
   in fp8, rounded outward: ``algorithm.kt_fp8``); not in the default grid.
+- ``rocketkv_reuse2`` / ``rocketkv_reuse4``: ``rocketkv`` with
+  ``"reselect_every"`` 2 / 4 (a page selection serves up to 2 / 4 decode
+  steps within the newest token's page; needs a page size >= that, which
+  the split gives at small budgets); not in the default grid.
 - ``oracle``: ``{"evict": false, "page_size": 1, "topk": B,
   "force_current_page": false}``: pages of one token over all channels score
   exactly q.k, so this attends to the top-B tokens by true attention score.
@@ -161,7 +165,12 @@ ABLATIONS = (
     "rocketkv_stage1_only",
     "rocketkv_stage2_only",
 )
-METHODS = ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt") + ABLATIONS
+REUSE_METHODS = {"rocketkv_reuse2": 2, "rocketkv_reuse4": 4}
+METHODS = (
+    ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
+    + ABLATIONS
+    + tuple(REUSE_METHODS)
+)
 DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant and the ablations on request (--methods)
 # The KV block size the ablations' split assumes: it only caps the page size
 # and floors the prompt budget (window + block), neither binding at the
@@ -305,6 +314,9 @@ def method_settings(
         return {"token_budget": b, "max_new_tokens": max_tokens}
     if method == "rocketkv_fp8kt":
         return {"token_budget": b, "max_new_tokens": max_tokens, "kt_dtype": "fp8_e4m3"}
+    if method in REUSE_METHODS:
+        every = REUSE_METHODS[method]
+        return {"token_budget": b, "max_new_tokens": max_tokens, "reselect_every": every}
     if method == "snapkv":
         # The kept part and the tail may each end in a partial page: two
         # pages of slack make the selection cover the whole view.

@@ -38,6 +38,11 @@ holds ``context`` prompt tokens plus ``--generated`` generated ones (seq_len
 * ``rocketkv_legacy``   -- the six-launch decode before issue 38
   (``rocketkv_eval.legacy_stage2``), same rows: before / after in one run
   (not in the default ``--methods``).
+* ``rocketkv_reuse``    -- ``rocketkv`` on a step where every row reuses
+  the selection a first call stored (``rocketkv.reselect_every``): the KT
+  update and the sparse attention, no scoring; with reselect_every R a
+  request's mean step costs ((R - 1) x this + ``rocketkv``) / R (not in the
+  default ``--methods``).
 
 After the sizes: a summary -- the fixed cost (the smallest context at batch
 1, default 4k x 1, in us per layer; target <= 20 us) of each ROCKETKV
@@ -118,8 +123,9 @@ from rocketkv_vllm.plan import plan_request  # noqa: E402
 DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")
 # rocketkv: the decode of this checkout (ops.triton.hsa_decode, three
 # launches on the backend's workspace); rocketkv_legacy: the six-launch
-# decode before issue 38 (legacy_stage2), for before / after in one run
-ROCKET_METHODS = ("rocketkv", "rocketkv_legacy")
+# decode before issue 38 (legacy_stage2), for before / after in one run;
+# rocketkv_reuse: a step whose rows all reuse a stored selection
+ROCKET_METHODS = ("rocketkv", "rocketkv_legacy", "rocketkv_reuse")
 METHODS = DENSE_METHODS + ROCKET_METHODS
 DEFAULT_CONTEXTS = "4096,8192,16384,32768,131072"
 
@@ -616,6 +622,34 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
         def call():
             triton_ops.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out, workspace=ws)
 
+    elif method == "rocketkv_reuse":
+        ws = triton_ops.DecodeWorkspace(dev, batch, hq, hkv, d, max_pages, max_select, force)
+        # the backend's store: a slot per row and a spare, filled by one
+        # selecting call, then every timed call reuses it
+        store = torch.full((batch + 1, hkv, max_select + int(force)), -1, dtype=torch.int32)
+        store = store.to(dev)
+        slots = torch.arange(batch, dtype=torch.int32, device=dev)
+
+        def step(reuse):
+            triton_ops.hsa_decode(
+                q,
+                k_cache,
+                v_cache,
+                kt,
+                *rows,
+                out=out,
+                workspace=ws,
+                selections=store,
+                sel_slot=slots,
+                reuse=reuse,
+            )
+
+        step(torch.zeros_like(slots))
+        every_row = torch.ones_like(slots)
+
+        def call():
+            step(every_row)
+
     else:
 
         def call():
@@ -667,6 +701,8 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
     bytes_scratch = batch * hq * view_pages * 4 * 2  # logits: write + read
     if method == "rocketkv_legacy":
         bytes_scratch += batch * hkv * max_pages * 4 * 2  # probs: write + read
+    if method == "rocketkv_reuse":  # no page is scored
+        bytes_kt = bytes_scratch = 0
     bytes_kt_update = (
         batch * hkv * (ps * d * esize + 2 * kt_row_bytes(d, a.dtype, settings.kt_dtype))
     )
@@ -685,7 +721,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
             "max_pages": max_pages,
             "max_select": max_select,
             "pages_selected": n_sel,
-            "launches": launches if method == "rocketkv" else "6 (legacy_stage2)",
+            "launches": launches if method != "rocketkv_legacy" else "6 (legacy_stage2)",
             "workspace_bytes": ws.nbytes if ws is not None else None,
             "bytes": bytes_kt + bytes_kv,
             "bytes_kt": bytes_kt,

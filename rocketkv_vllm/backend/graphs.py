@@ -59,6 +59,14 @@ def shape_for(settings: RocketKVSettings, max_model_len: int, rows: int) -> Deco
     return DecodeGraphShape(rows, max_pages, min(budget.pages_selected, max_pages))
 
 
+def selection_width(settings: RocketKVSettings, max_model_len: int) -> int:
+    """Pages of the engine's largest selection, the forced page included:
+    the width of a selection store (``backend.reuse``; a request whose own
+    budget selects more never reuses)."""
+    extra = 1 if settings.force_current_page else 0
+    return shape_for(settings, max_model_len, 1).max_select + extra
+
+
 def eager_bounds(shape: DecodeGraphShape, num_select: int) -> tuple[int, int]:
     """(max_pages, max_select) of an eager Stage 2 call with the Triton
     kernels: the engine's launch shape whatever the step's rows, or, when a

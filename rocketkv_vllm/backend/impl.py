@@ -14,6 +14,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
+from rocketkv_vllm.backend.graphs import selection_width
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import NativeQuery, native_for_config
 from rocketkv_vllm.backend.stages import stage1_for, stage2_for
@@ -144,6 +145,20 @@ class RocketKVImpl(AttentionImpl):
         self.max_pages = max_view_pages(
             vllm_config.model_config.max_model_len, self.settings.page_size
         )
+        # The layer's selection store (reselect_every > 1, ``backend.reuse``):
+        # a slot per running request, and a spare last one.
+        self.selections: torch.Tensor | None = None
+        if self.settings.reselect_every > 1:
+            self.selections = torch.full(
+                (
+                    vllm_config.scheduler_config.max_num_seqs + 1,
+                    num_kv_heads,
+                    selection_width(self.settings, vllm_config.model_config.max_model_len),
+                ),
+                -1,
+                dtype=torch.int32,
+                device=vllm_config.device_config.device,
+            )
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         self.native.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -229,10 +244,17 @@ class RocketKVImpl(AttentionImpl):
                 out=out[:batch],
                 sinks=sinks,
                 quant=quant,
+                selections=self.selections,
             )
             return
         result = self.stage2.decode(
-            query[rows.tokens], kv_cache, rows, self.scale, sinks=sinks, quant=quant
+            query[rows.tokens],
+            kv_cache,
+            rows,
+            self.scale,
+            sinks=sinks,
+            quant=quant,
+            selections=self.selections,
         )
         out[rows.tokens] = result.to(out.dtype)
 

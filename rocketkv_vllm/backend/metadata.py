@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import (
 
 from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.backend.native import native_for_config, native_for_layers
+from rocketkv_vllm.backend.reuse import SelectionReuse
 from rocketkv_vllm.backend.stages import stage2_for, uses_triton
 from rocketkv_vllm.config import settings_for, test_aids_for
 from rocketkv_vllm.ops.base import SCRATCH_BYTES, HsaRows, scratch_bytes_per_row
@@ -84,8 +85,11 @@ _HSA_COLUMNS = (
     "topk",
     "topr",
     "num_select",
+    "sel_slot",
+    "reuse",
 )
 _NUM_SELECT = _HSA_COLUMNS.index("num_select")
+_SEL_SLOT = _HSA_COLUMNS.index("sel_slot")
 
 
 @dataclass
@@ -149,6 +153,15 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         self._workspace_ready = False
         self.workspace = None
         self._shape: graphs.DecodeGraphShape | None = None
+        # Which decode rows reuse their page selection (reselect_every > 1)
+        self.reuse: SelectionReuse | None = None
+        if self.settings.reselect_every > 1:
+            self.reuse = SelectionReuse(
+                self.settings.reselect_every,
+                self.settings.page_size,
+                vllm_config.scheduler_config.max_num_seqs,
+                graphs.selection_width(self.settings, vllm_config.model_config.max_model_len),
+            )
 
     # -- the step -----------------------------------------------------------
 
@@ -179,12 +192,13 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             return md
 
         step = self._step(cm, prompt_lens)
+        rows = np.flatnonzero(step.decode)
+        selection = self._selection_reuse(cm, step, rows)
         if graph is not None and not (step.compress & ~step.decode).any():
             # (A prompt chunk, where Stage 1 runs in Python, or a selection
             # larger than the captured one: the runner hooks keep such a step
             # off FULL graphs (GraphGuard.needs_eager); it runs eagerly.)
-            rows = np.flatnonzero(step.decode)
-            columns = self._columns(rows, rows, step.seq_lens[rows], step.plans)
+            columns = self._columns(rows, rows, step.seq_lens[rows], step.plans, selection)
             if not rows.size or graph.takes(int(columns[_NUM_SELECT].max())):
                 return self._graph_step(
                     md, common_prefix_len, cm, native_cm, fast_build, rows, columns
@@ -193,10 +207,14 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             md.native = self.native.build(common_prefix_len, native_cm, fast_build)
             return md
         self._prompt_rows(md, cm, step)
-        rows = np.flatnonzero(step.decode)
         if rows.size:
             md.decode = self._hsa_rows(
-                rows, step.qsl[rows], step.seq_lens[rows], step.plans, cm.block_table_tensor
+                rows,
+                step.qsl[rows],
+                step.seq_lens[rows],
+                step.plans,
+                cm.block_table_tensor,
+                selection,
             )
             self.state.counters.decode_tokens_compressed += int(rows.size)
         neutral = np.flatnonzero(step.after)
@@ -288,6 +306,39 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         upper[torch.from_numpy(rows)] = torch.as_tensor(lens, dtype=upper.dtype)
         return upper
 
+    def _selection_reuse(
+        self, cm: CommonAttentionMetadata, step: _Step, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """(sel_slot, reuse) of the decode ``rows`` (``backend.reuse``), None
+        without reuse; the step's other compressed rows forget their
+        requests' stored selections."""
+        if self.reuse is None:
+            return None
+        for i in np.flatnonzero(step.compress & ~step.decode).tolist():
+            self.reuse.forget(self._request_key(cm, i))
+        chosen = [step.plans[i] for i in rows]
+        extra = 1 if self.settings.force_current_page else 0
+        num_use = pages_selected(
+            np.array([p.topk for p in chosen], dtype=np.int64), self.settings.page_size
+        )
+        slots, reuse = self.reuse.plan(
+            [self._request_key(cm, i) for i in rows.tolist()],
+            step.seq_lens[rows],
+            num_use + extra,
+        )
+        self.state.counters.decode_selections_reused += int(reuse.sum())
+        return slots, reuse
+
+    def _request_key(self, cm: CommonAttentionMetadata, i: int):
+        """Row i's request, unique for its lifetime (V2: its slot and the
+        slot's generation; V1: its id), or None when not known."""
+        requests = self.state.requests
+        if cm.req_idx is not None:
+            slot = int(cm.req_idx[i])
+            return (slot, requests.v2_generation.get(slot, 0))
+        row_ids = requests.row_ids
+        return row_ids[i] if i < len(row_ids) else None
+
     def _window_key(self, cm: CommonAttentionMetadata, i: int) -> int | str:
         # V2: the request's slot; V1: its id (the runner hook's row order).
         # Not a block id: with prefix caching requests may share blocks.
@@ -301,11 +352,19 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
     # -- Stage 2 rows -------------------------------------------------------
 
     def _columns(
-        self, rows: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray, plans: list[RequestPlan]
+        self,
+        rows: np.ndarray,
+        tokens: np.ndarray,
+        seq_lens: np.ndarray,
+        plans: list[RequestPlan],
+        selection: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
-        """The Stage 2 columns (_HSA_COLUMNS) of these batch rows, int32."""
+        """The Stage 2 columns (_HSA_COLUMNS) of these batch rows, int32;
+        selection: their (sel_slot, reuse), else no slot."""
         chosen = [plans[i] for i in rows]
         topk = np.array([p.topk for p in chosen], dtype=np.int64)
+        if selection is None:
+            selection = (np.full(len(rows), -1), np.zeros(len(rows)))
         columns = {
             "row": rows,
             "token": tokens,
@@ -315,6 +374,8 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             "topk": topk,
             "topr": np.array([p.topr for p in chosen], dtype=np.int64),
             "num_select": pages_selected(topk, self.settings.page_size),
+            "sel_slot": selection[0],
+            "reuse": selection[1],
         }
         return np.stack([columns[name] for name in _HSA_COLUMNS]).astype(np.int32)
 
@@ -329,10 +390,12 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         seq_lens: np.ndarray,
         plans: list[RequestPlan],
         block_table: torch.Tensor,
+        selection: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> HsaRows:
         """Stage 2 rows: batch rows, each one's token index in the step and
-        seq_len including that token. One host-to-device copy."""
-        columns = self._columns(rows, tokens, seq_lens, plans)
+        seq_len including that token, and their (sel_slot, reuse). One
+        host-to-device copy."""
+        columns = self._columns(rows, tokens, seq_lens, plans, selection)
         c = self._device_columns(columns, block_table.device)
         host = dict(zip(_HSA_COLUMNS, columns.astype(np.int64)))
         max_select = int(host["num_select"].max())
@@ -358,6 +421,8 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             num_select=c["num_select"],
             max_pages=max_pages,
             max_select=max_select,
+            sel_slot=c["sel_slot"],
+            reuse=c["reuse"],
             workspace=self._workspace(),
         )
         self.stage2.prepare(hsa)
@@ -456,6 +521,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         ``_columns``) active, all per-step values in the persistent buffers."""
         batch = cm.num_reqs
         every_row = np.zeros((len(_HSA_COLUMNS), batch), dtype=np.int32)
+        every_row[_SEL_SLOT] = -1
         every_row[:, rows] = columns
         self.state.counters.decode_tokens_compressed += int(rows.size)
         buffers = self.graph_buffers
@@ -482,6 +548,8 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             num_select=c["num_select"],
             max_pages=g.max_pages,
             max_select=g.max_select,
+            sel_slot=c["sel_slot"],
+            reuse=c["reuse"],
             in_place=True,
             workspace=self._workspace(),
         )

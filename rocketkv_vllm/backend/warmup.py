@@ -97,8 +97,11 @@ def padding_rows(batch: int, max_pages: int, max_select: int, device) -> HsaRows
     """``batch`` Stage 2 rows that are all padding (seq_len 0: the kernels
     launch and skip them), their vectors laid out as the builder lays a
     step's out (``graphs.aligned_rows``)."""
-    columns = torch.zeros(6, graphs.aligned_rows(batch), dtype=torch.int32, device=device)
-    num_compact, tail_start, seq_lens, topk, topr, num_select = (c[:batch] for c in columns)
+    columns = torch.zeros(8, graphs.aligned_rows(batch), dtype=torch.int32, device=device)
+    columns[6] = -1  # no selection slot
+    num_compact, tail_start, seq_lens, topk, topr, num_select, sel_slot, reuse = (
+        c[:batch] for c in columns
+    )
     return HsaRows(
         tokens=torch.arange(batch, device=device),
         block_table=torch.zeros(batch, 1, dtype=torch.int32, device=device),
@@ -110,6 +113,8 @@ def padding_rows(batch: int, max_pages: int, max_select: int, device) -> HsaRows
         num_select=num_select,
         max_pages=max_pages,
         max_select=max_select,
+        sel_slot=sel_slot,
+        reuse=reuse,
     )
 
 
@@ -125,6 +130,7 @@ def warm_up_stage2(
     query_dtype: torch.dtype,
     scale: float,
     sinks: torch.Tensor | None,
+    selections: torch.Tensor | None = None,
 ) -> int:
     """One eager Stage 2 call (every Stage 2 kernel) of padding rows per
     distinct specialization an eager step of this layer can launch: eager
@@ -151,7 +157,9 @@ def warm_up_stage2(
             query = torch.zeros(
                 batch, num_q_heads, plan.head_dim, dtype=query_dtype, device=kv_cache.device
             )
-            stage2.decode(query, kv_cache, rows, scale, sinks=sinks, quant=quant)
+            stage2.decode(
+                query, kv_cache, rows, scale, sinks=sinks, quant=quant, selections=selections
+            )
             calls += 1
     return calls
 
@@ -211,6 +219,7 @@ def warm_up_worker(vllm_config) -> int:
             query_dtype=vllm_config.model_config.dtype,
             scale=impl.scale,
             sinks=sinks,
+            selections=impl.selections,
         )
         runs += 1
     if runs:

@@ -101,6 +101,11 @@ class HsaRows:
     num_select: torch.Tensor  # pages to select: plan.pages_selected(topk)
     max_pages: int  # >= every row's view page count
     max_select: int  # >= every num_select
+    # Selection reuse (``rocketkv.reselect_every`` > 1, ``backend.reuse``):
+    # each row's slot in the layer's selection store (-1: none) and whether
+    # it attends the pages stored there instead of choosing (``Stage2.decode``)
+    sel_slot: torch.Tensor | None = None  # [B] int32
+    reuse: torch.Tensor | None = None  # [B] int32, nonzero: reuse
     # FULL CUDA graph layout (backend.graphs): row b is the step's token b,
     # rows with seq_len 0 are not compressed, the result goes straight into
     # the output (those rows keep the native backend's)
@@ -123,6 +128,8 @@ class HsaRows:
             num_select=self.num_select[a:b],
             max_pages=self.max_pages,
             max_select=self.max_select,
+            sel_slot=None if self.sel_slot is None else self.sel_slot[a:b],
+            reuse=None if self.reuse is None else self.reuse[a:b],
             workspace=self.workspace,
         )
 
@@ -177,11 +184,22 @@ class Stage2:
         out: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
         quant: KVQuant | None = None,
+        selections: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [B, Hq, d] -> [B, Hq, d]; with ``out`` (the FULL-graph
         layout) rows with seq_len 0 are left as they are. sinks: the layer's
         [Hq] fp32 sink logits (``algorithm.sinks``), or None; quant: the
-        layer's fp8 format and scales when the cache holds fp8 codes."""
+        layer's fp8 format and scales when the cache holds fp8 codes.
+
+        selections: the layer's selection store, int32 [S, Hkv, W] (None:
+        no reuse, today's launches). Row b with ``rows.reuse[b]`` nonzero
+        attends the n_use pages at selections[rows.sel_slot[b], h, :n_use]
+        instead of scoring and choosing (its KT page is still updated); a
+        row with reuse 0 and sel_slot >= 0 writes the n_use pages it chose
+        there. n_use is the row's selection size (``pages_selected`` + the
+        forced page); the caller (``backend.reuse``) guarantees n_use <= W
+        and that a reused entry was written for the same request and view
+        page. The entries' order is the implementation's own."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):

@@ -64,15 +64,23 @@ def hsa_decode(
     force_current_page: bool,
     sinks: torch.Tensor | None = None,
     quant: KVQuant | None = None,
+    selections: torch.Tensor | None = None,
+    sel_slot: torch.Tensor | None = None,
+    reuse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, d]; kv_cache the layer's [num_blocks, Hkv, bs, 2d] cache;
     kt_cache ``layout.kt_cache_view``; [B] integer columns as in ``HsaRows``;
     sinks: optional [Hq] sink logits (fp32, or any float dtype: converted),
     in the exact attention's softmax only (``algorithm.sinks``); quant: the
-    layer's fp8 format and scales when kv_cache holds fp8 codes (``fp8_kv``).
-    Updates the KT pages of each row's newest token; returns [B, Hq, d]."""
+    layer's fp8 format and scales when kv_cache holds fp8 codes (``fp8_kv``);
+    selections, sel_slot, reuse: the selection store int32 [S, Hkv, W] and
+    the rows' int32 [B] slots and reuse flags (``Stage2.decode``), all three
+    or none. Updates the KT pages of each row's newest token; returns
+    [B, Hq, d]."""
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
+    if len({selections is None, sel_slot is None, reuse is None}) > 1:
+        raise ValueError("selections, sel_slot and reuse come together (all three or none)")
     return _extension().hsa_decode(
         query,
         kv_cache,
@@ -91,15 +99,29 @@ def hsa_decode(
         0 if quant is None else FORMAT_CODES[quant.fp8_dtype],
         1.0 if quant is None else quant.k_scale,
         1.0 if quant is None else quant.v_scale,
+        selections,
+        sel_slot,
+        reuse,
     )
 
 
 class CpuStage2(Stage2):
     name = "native CPU kernel"
 
-    def decode(self, query, kv_cache, rows: HsaRows, scale, out=None, sinks=None, quant=None):
+    def decode(
+        self,
+        query,
+        kv_cache,
+        rows: HsaRows,
+        scale,
+        out=None,
+        sinks=None,
+        quant=None,
+        selections=None,
+    ):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
+        reusing = selections is not None
         return hsa_decode(
             query,
             kv_cache,
@@ -116,4 +138,7 @@ class CpuStage2(Stage2):
             s.force_current_page,
             sinks=sinks,
             quant=quant,
+            selections=selections,
+            sel_slot=rows.sel_slot if reusing else None,
+            reuse=rows.reuse if reusing else None,
         )

@@ -231,6 +231,40 @@ def select_pages(
     return top, valid
 
 
+def reuse_selections(
+    top: torch.Tensor,
+    valid: torch.Tensor,
+    pages: ViewPages,
+    seq_lens: torch.Tensor,
+    selections: torch.Tensor,
+    sel_slot: torch.Tensor,
+    reuse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_pages``' (top, valid) with reuse rows' pages read from the
+    store [S, Hkv, W] and the other slotted rows' written to it (the valid
+    entries, -1 past them).
+
+    Without a host sync: every row writes, rows without a slot to their own
+    index -1, the store's last slot, which the caller keeps unassigned
+    (``backend.reuse``). The page choice still runs for reuse rows (this
+    path is the oracle, not the fast one)."""
+    batch, num_kv_heads, n = top.shape
+    width = selections.shape[-1]
+    slot = sel_slot.long()
+    writes = (slot >= 0) & (reuse == 0) & (seq_lens > 0)
+    chosen = torch.where(valid, top, -1)[..., :width]
+    if width > n:
+        chosen = torch.cat([chosen, chosen.new_full((batch, num_kv_heads, width - n), -1)], -1)
+    stored = selections[slot].long()  # [B, Hkv, W]
+    selections[torch.where(writes, slot, -1)] = chosen.to(selections.dtype)
+    if width < n:
+        stored = torch.cat([stored, stored.new_full((batch, num_kv_heads, n - width), -1)], -1)
+    reused = ((reuse != 0) & (slot >= 0))[:, None, None]
+    top = torch.where(reused, stored[..., :n].clamp_min(0), top)
+    valid = torch.where(reused, stored[..., :n] >= 0, valid)
+    return top, valid
+
+
 def sparse_attention(
     query: torch.Tensor,
     k_cache: KVView,
@@ -285,15 +319,22 @@ def hsa_decode(
     scale: float,
     force_current_page: bool,
     sinks: torch.Tensor | None = None,
+    selections: torch.Tensor | None = None,
+    sel_slot: torch.Tensor | None = None,
+    reuse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row: KT update, page choice, sparse
     attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype. sinks:
     optional [Hq] fp32 sink logits, in the sparse attention's softmax only
-    (the page choice ranks the keys' own mass)."""
+    (the page choice ranks the keys' own mass). selections, sel_slot,
+    reuse: the selection store and each row's slot and reuse flag
+    (``ops.base.Stage2.decode``; ``reuse_selections``)."""
     update_kt(k_cache, kt_cache, block_table, seq_lens, page_size)
     top, valid = select_pages(
         query, kt_cache, pages, topr, num_select, max_select, force_current_page
     )
+    if selections is not None:
+        top, valid = reuse_selections(top, valid, pages, seq_lens, selections, sel_slot, reuse)
     out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale, sinks)
     return out.to(query.dtype)
 
@@ -323,7 +364,17 @@ class TorchStage2(Stage2):
             rows.max_pages,
         )
 
-    def decode(self, query, kv_cache, rows: HsaRows, scale, out=None, sinks=None, quant=None):
+    def decode(
+        self,
+        query,
+        kv_cache,
+        rows: HsaRows,
+        scale,
+        out=None,
+        sinks=None,
+        quant=None,
+        selections=None,
+    ):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
@@ -342,4 +393,7 @@ class TorchStage2(Stage2):
             scale,
             s.force_current_page,
             sinks=sinks,
+            selections=selections,
+            sel_slot=None if selections is None else rows.sel_slot,
+            reuse=None if selections is None else rows.reuse,
         )

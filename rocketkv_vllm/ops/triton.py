@@ -28,6 +28,10 @@ cache as ``kt_cache`` (``layout.kt_cache_view``):
     3. ``_sparse_decode_kernel`` grid (B*Hkv, S2)  attention over the
        selected pages, split over pages; the row's last split merges the
        partials into ``out`` (atomic counter), sinks there
+  With a selection store (``selections``: reuse across steps) the same
+  three launches: a reusing row's scoring programs only refresh its KT
+  page and its selection is a copy from the store; the other rows with a
+  slot store what their merge chose.
   S1 ~ 4 programs per SM over the B*Hkv rows (capped by max_pages' 16-page
   tiles), S2 ~ 4 per SM too (each split >= 8 tokens of a full selection):
   at batch 1 (8 KV heads) both fill a 132-SM GPU (``decode_launches``
@@ -390,6 +394,9 @@ def hsa_decode(
     sinks: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
     probs_out: torch.Tensor | None = None,
+    selections: torch.Tensor | None = None,
+    sel_slot: torch.Tensor | None = None,
+    reuse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row (its K/V already in the cache at
     slot seq_lens[b] - 1): KT update, page scoring, top-n pages, sparse
@@ -414,7 +421,23 @@ def hsa_decode(
     mass. workspace: the scratch to use (``DecodeWorkspace``; else
     allocated for this call). probs_out: a [B, Hkv, max_pages] fp32 tensor
     that receives the page probabilities (each row's own pages only).
+    selections, sel_slot, reuse (all three or none): the selection store
+    int32 [S, Hkv, W] contiguous and per row its slot ([B] int32, -1:
+    none) and reuse flag ([B] int32): ``Stage2.decode``'s contract (a
+    reusing row attends selections[slot, h, :n_use], its KT page still
+    updated; another row with a slot stores its n_use pages there, in
+    ascending page order, where n_use <= W). Not with probs_out or
+    select_impl "torch".
     """
+    if sum(t is not None for t in (selections, sel_slot, reuse)) not in (0, 3):
+        raise ValueError("hsa_decode: give selections, sel_slot and reuse together, or none")
+    if selections is not None:
+        if probs_out is not None or select_impl == "torch":
+            raise ValueError(
+                "hsa_decode: a selection store does not go with probs_out or select_impl='torch'"
+            )
+        if selections.dtype != torch.int32 or not selections.is_contiguous():
+            raise ValueError("hsa_decode: selections must be a contiguous int32 [S, Hkv, W]")
     k_view, fp8, _ = kv_operand(k_cache)
     v_view, _, _ = kv_operand(v_cache)
     if query.stride(-1) != 1:
@@ -429,6 +452,8 @@ def hsa_decode(
     num_compact, tail_start, seq_lens, topk, topr = row_vectors(
         num_compact, tail_start, seq_lens, topk, topr
     )
+    if selections is not None:
+        sel_slot, reuse = row_vectors(sel_slot, reuse)
     dev = query.device
     plan = plan_decode(
         batch,
@@ -468,6 +493,8 @@ def hsa_decode(
         topr,
         page_size,
         k_cache=k_cache if update_kt else None,
+        sel_slot=sel_slot,
+        reuse=reuse,
     )
     launch_select(
         plan.score,
@@ -481,6 +508,9 @@ def hsa_decode(
         force_current_page,
         select=not torch_select,
         write_probs=probs_out is not None or torch_select,
+        selections=selections,
+        sel_slot=sel_slot,
+        reuse=reuse,
     )
     if torch_select:
         sel = hsa_score.select_pages(
@@ -541,13 +571,15 @@ class TritonStage2(Stage2):
             chunk = min(chunk, workspace.rows)
         return chunk if chunk < 16 else chunk // 16 * 16
 
-    def decode(self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None):
+    def decode(
+        self, query, kv_cache, rows, scale, out=None, sinks=None, quant=None, selections=None
+    ):
         if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
-            return self._decode(query, kv_cache, rows, scale, out, sinks, quant)
+            return self._decode(query, kv_cache, rows, scale, out, sinks, quant, selections)
         chunk = self.eager_chunk(query.shape[1], kv_cache.shape[1], rows.max_pages, rows.workspace)
         batch = query.shape[0]
         if batch <= chunk:
-            return self._decode(query, kv_cache, rows, scale, None, sinks, quant)
+            return self._decode(query, kv_cache, rows, scale, None, sinks, quant, selections)
         parts = [
             self._decode(
                 query[a : a + chunk],
@@ -557,6 +589,7 @@ class TritonStage2(Stage2):
                 None,
                 sinks,
                 quant,
+                selections,
             )
             for a in range(0, batch, chunk)
         ]
@@ -592,9 +625,12 @@ class TritonStage2(Stage2):
             sparse_decode.num_sms(dev),
         )
 
-    def _decode(self, query, kv_cache, rows: HsaRows, scale, out, sinks, quant):
+    def _decode(self, query, kv_cache, rows: HsaRows, scale, out, sinks, quant, selections):
         s = self.settings
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
+        store = {}
+        if selections is not None:  # without a store the rows' columns mean nothing
+            store = dict(selections=selections, sel_slot=rows.sel_slot, reuse=rows.reuse)
         return hsa_decode(
             query,
             k_cache,
@@ -614,6 +650,7 @@ class TritonStage2(Stage2):
             out=out,
             sinks=sinks,
             workspace=rows.workspace,
+            **store,
         )
 
     def make_workspace(self, device, num_q_heads, num_kv_heads, head_dim, shapes):

@@ -153,9 +153,15 @@ def hsa_decode(
     scale: float,
     force_current_page: bool = False,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    selected: torch.Tensor | None = None,
+    return_selected: bool = False,
+):
     """Stage 2 for one token at position seq_len - 1 (its K/V already stored):
-    update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d].
+    update its KT page, choose pages, attend exactly. query [Hq, d] -> [Hq, d]
+    (and, with return_selected, the chosen pages [Hkv, P] as a mask).
+
+    selected: a mask [Hkv, P] chosen at an earlier step of the same view
+    page (``rocketkv.reselect_every``): attend those pages, choose none.
 
     Page choice: the top max(topk // page_size, 1) pages by the token-count
     weighted page softmax (``algorithm.hsa_page_probs``); with
@@ -178,23 +184,25 @@ def hsa_decode(
     if force_current_page:
         # An extra page: the top-k pages come from the others.
         force = starts == page_lo
-    selected = hsa_select_pages(
-        query,
-        kt_min,
-        kt_max,
-        page_valid,
-        topr,
-        pages_selected(topk, page_size),
-        force,
-        page_tokens,
-    )  # [Hkv, P]
+    if selected is None:
+        selected = hsa_select_pages(
+            query,
+            kt_min,
+            kt_max,
+            page_valid,
+            topr,
+            pages_selected(topk, page_size),
+            force,
+            page_tokens,
+        )  # [Hkv, P]
 
     # Tokens of the view, page by page; slots past each region's end masked.
     slots = (starts[:, None] + torch.arange(page_size, device=starts.device)).flatten()
     in_view = slots < region_end.repeat_interleave(page_size)
     keys, values = gather_kv(k_cache, v_cache, block_row, slots.clamp_max(seq_len - 1))
     token_mask = selected.repeat_interleave(page_size, dim=1) & in_view[None, :]
-    return sparse_attention(query, keys, values, token_mask, scale, sinks).to(query.dtype)
+    out = sparse_attention(query, keys, values, token_mask, scale, sinks).to(query.dtype)
+    return (out, selected) if return_selected else out
 
 
 def hsa_decode_rows(
