@@ -7,8 +7,9 @@
 # under `timeout` (limits add up to 350 s):
 #   kernels  GPU_SPEED_KERNELS_S=150  bench_kernels, trtllm preset, 4k/8k/16k/32k/128k x batch
 #                                     1/8/32: FLASH_ATTN, ROCKETKV's 3-launch decode and the
-#                                     six-launch one before it (rocketkv_legacy), and a step
-#                                     that reuses its selection (rocketkv_reuse) in one process
+#                                     six-launch one before it (rocketkv_legacy) in one process
+#                                     (GPU_SPEED_METHODS: add rocketkv_reuse for a step whose
+#                                     rows reuse their selection, reselect_every)
 #   e2e      GPU_SPEED_E2E_S=200      bench_e2e, a Llama-3.1-8B-shaped model from its config.json
 #                                     with random weights, FLASH_ATTN vs preset=trtllm, workloads
 #                                     32k x 1, 32k x 8 on one engine per method
@@ -32,7 +33,7 @@ unset TRITON_INTERPRET
 } > "$OUT/summary.txt"
 K=${GPU_SPEED_KERNELS_S:-150}
 step kernels "$K" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" "$PY" \
-  scripts/bench_kernels.py --configs preset=trtllm --methods dense_flash_attn,rocketkv,rocketkv_reuse,rocketkv_legacy \
+  scripts/bench_kernels.py --configs preset=trtllm --methods "${GPU_SPEED_METHODS:-dense_flash_attn,rocketkv,rocketkv_legacy}" \
   --stage1-context 0 --time-budget $((K > 40 ? K - 25 : 15)) --out "$OUT/kernels.json"
 step e2e "${GPU_SPEED_E2E_S:-200}" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" scripts/bench_e2e.py --model-config llama-3.1-8b \
