@@ -188,16 +188,19 @@ def _workspace(q, hkv, max_pages, max_select, force, rows=None):
 
 
 @pytest.mark.parametrize(
-    "ps,dtype,force,kt_dtype,kv,sinks,n_sms",
+    "ps,dtype,force,kt_dtype,kv,sinks,n_sms,store",
     [
-        (4, tk.BF16, False, tk.AUTO, "auto", False, 16),
-        (2, tk.F32, True, tk.FP8, "auto", True, 64),
-        (4, tk.BF16, True, tk.AUTO, "fp8_e4m3", False, 2),
+        (4, tk.BF16, False, tk.AUTO, "auto", False, 16, False),
+        (2, tk.F32, True, tk.FP8, "auto", True, 64, False),
+        (4, tk.BF16, True, tk.AUTO, "fp8_e4m3", False, 2, False),
+        (4, tk.BF16, True, tk.AUTO, "auto", False, 16, True),
     ],
 )
 def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
-    ps, dtype, force, kt_dtype, kv, sinks, n_sms
+    ps, dtype, force, kt_dtype, kv, sinks, n_sms, store
 ):
+    """Also with a selection store (``reselect_every``), rows reusing it
+    beside rows selecting: the same three launches."""
     hkv, g, d, bs = 2, 4, 64, 16
     c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, dtype, kt_dtype=kt_dtype)
     k_cache, v_cache = c.k, c.v
@@ -210,8 +213,32 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
         k_cache, v_cache = Fp8KV(codes_k, fmt, 1.0), Fp8KV(codes_v, fmt, 1.0)
     sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(3)) if sinks else None
     out = torch.full_like(q, 7.0)
+    reuse_args = {}
+    if store:
+        batch = q.shape[0]
+        slots = torch.arange(batch, dtype=torch.int32)
+        reuse_args = dict(
+            selections=torch.full((batch + 1, hkv, max_select + 1), -1, dtype=torch.int32),
+            sel_slot=slots,
+            reuse=torch.zeros_like(slots),
+        )
     with sms(n_sms):
         ws = _workspace(q, hkv, max_pages, max_select, force)
+        if store:  # a selecting step fills the store; the counted one reuses half
+            triton_ops.hsa_decode(
+                q,
+                k_cache,
+                v_cache,
+                c.kt,
+                *args,
+                max_pages,
+                max_select,
+                force,
+                out=out.clone(),
+                workspace=ws,
+                **reuse_args,
+            )
+            reuse_args["reuse"] = (slots % 2).to(torch.int32)
         with recording() as rec, no_allocation(rec):
             triton_ops.hsa_decode(
                 q,
@@ -225,6 +252,7 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
                 out=out,
                 sinks=sink,
                 workspace=ws,
+                **reuse_args,
             )
     names = [n for n, _ in rec.launches]
     assert len(names) <= MAX_LAUNCHES, f"{len(names)} launches: {names}"
