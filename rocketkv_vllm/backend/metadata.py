@@ -316,15 +316,11 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             return None
         for i in np.flatnonzero(step.compress & ~step.decode).tolist():
             self.reuse.forget(self._request_key(cm, i))
-        chosen = [step.plans[i] for i in rows]
-        extra = 1 if self.settings.force_current_page else 0
-        num_use = pages_selected(
-            np.array([p.topk for p in chosen], dtype=np.int64), self.settings.page_size
-        )
+        ps, extra = self.settings.page_size, int(self.settings.force_current_page)
         slots, reuse = self.reuse.plan(
             [self._request_key(cm, i) for i in rows.tolist()],
             step.seq_lens[rows],
-            num_use + extra,
+            np.array([step.plans[i].pages_selected(ps) + extra for i in rows], dtype=np.int64),
         )
         self.state.counters.decode_selections_reused += int(reuse.sum())
         return slots, reuse

@@ -133,6 +133,19 @@ class HsaRows:
             workspace=self.workspace,
         )
 
+    def store_args(self, selections: torch.Tensor | None) -> dict:
+        """The selection-store arguments of an ``hsa_decode`` for these rows:
+        none without a store (the rows' columns then mean nothing)."""
+        if selections is None:
+            return {}
+        return dict(selections=selections, sel_slot=self.sel_slot, reuse=self.reuse)
+
+
+def check_store_args(selections, sel_slot, reuse) -> None:
+    """An ``hsa_decode`` takes the selection store's three arguments together."""
+    if len({selections is None, sel_slot is None, reuse is None}) > 1:
+        raise ValueError("selections, sel_slot and reuse come together (all three or none)")
+
 
 class Stage2:
     """Stage 2 for one decode token per row (its K/V already in the cache):

@@ -18,7 +18,7 @@ import torch
 
 from rocketkv_vllm.fp8_kv import KVQuant
 from rocketkv_vllm.kernels.formats import FORMAT_CODES
-from rocketkv_vllm.ops.base import HsaRows, Stage2
+from rocketkv_vllm.ops.base import HsaRows, Stage2, check_store_args
 
 LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
 
@@ -79,8 +79,7 @@ def hsa_decode(
     [B, Hq, d]."""
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
-    if len({selections is None, sel_slot is None, reuse is None}) > 1:
-        raise ValueError("selections, sel_slot and reuse come together (all three or none)")
+    check_store_args(selections, sel_slot, reuse)
     return _extension().hsa_decode(
         query,
         kv_cache,
@@ -121,7 +120,6 @@ class CpuStage2(Stage2):
     ):
         assert out is None, "the FULL-graph layout runs the Triton kernels only"
         s = self.settings
-        reusing = selections is not None
         return hsa_decode(
             query,
             kv_cache,
@@ -138,7 +136,5 @@ class CpuStage2(Stage2):
             s.force_current_page,
             sinks=sinks,
             quant=quant,
-            selections=selections,
-            sel_slot=rows.sel_slot if reusing else None,
-            reuse=rows.reuse if reusing else None,
+            **rows.store_args(selections),
         )

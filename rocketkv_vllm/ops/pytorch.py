@@ -24,7 +24,7 @@ import torch
 from rocketkv_vllm.algorithm import softmax_with_sinks, window_attention_scores
 from rocketkv_vllm.cache_view import KVView, read_blocks_into, stored
 from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots, split_kv
-from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2
+from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2, check_store_args
 
 # ---- Stage 1 steps (one prompt)
 
@@ -329,6 +329,7 @@ def hsa_decode(
     (the page choice ranks the keys' own mass). selections, sel_slot,
     reuse: the selection store and each row's slot and reuse flag
     (``ops.base.Stage2.decode``; ``reuse_selections``)."""
+    check_store_args(selections, sel_slot, reuse)
     update_kt(k_cache, kt_cache, block_table, seq_lens, page_size)
     top, valid = select_pages(
         query, kt_cache, pages, topr, num_select, max_select, force_current_page
@@ -393,7 +394,5 @@ class TorchStage2(Stage2):
             scale,
             s.force_current_page,
             sinks=sinks,
-            selections=selections,
-            sel_slot=None if selections is None else rows.sel_slot,
-            reuse=None if selections is None else rows.reuse,
+            **rows.store_args(selections),
         )

@@ -76,7 +76,13 @@ from rocketkv_vllm.kernels.sparse_decode import AttentionPlan, AttentionScratch
 from rocketkv_vllm.kernels.window_scores import window_scores
 from rocketkv_vllm.layout import split_kv
 from rocketkv_vllm.ops import base
-from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2, scratch_bytes_per_row
+from rocketkv_vllm.ops.base import (
+    HsaRows,
+    Stage1,
+    Stage2,
+    check_store_args,
+    scratch_bytes_per_row,
+)
 
 __all__ = [
     "DecodeWorkspace",
@@ -429,8 +435,7 @@ def hsa_decode(
     ascending page order, where n_use <= W). Not with probs_out or
     select_impl "torch".
     """
-    if sum(t is not None for t in (selections, sel_slot, reuse)) not in (0, 3):
-        raise ValueError("hsa_decode: give selections, sel_slot and reuse together, or none")
+    check_store_args(selections, sel_slot, reuse)
     if selections is not None:
         if probs_out is not None or select_impl == "torch":
             raise ValueError(
@@ -628,9 +633,6 @@ class TritonStage2(Stage2):
     def _decode(self, query, kv_cache, rows: HsaRows, scale, out, sinks, quant, selections):
         s = self.settings
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
-        store = {}
-        if selections is not None:  # without a store the rows' columns mean nothing
-            store = dict(selections=selections, sel_slot=rows.sel_slot, reuse=rows.reuse)
         return hsa_decode(
             query,
             k_cache,
@@ -650,7 +652,7 @@ class TritonStage2(Stage2):
             out=out,
             sinks=sinks,
             workspace=rows.workspace,
-            **store,
+            **rows.store_args(selections),
         )
 
     def make_workspace(self, device, num_q_heads, num_kv_heads, head_dim, shapes):
