@@ -57,25 +57,17 @@ def _nvidia_backend() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def _compile_to_json(tmp_path_factory, name: str, argv: list[str]):
+    """(process, JSON document) of a compile run without the interpreter
+    that writes its JSON to the path appended to ``argv``; skipped where
+    Triton has no NVIDIA backend."""
     reason = _nvidia_backend()
     if reason:
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp("compile") / "kernels-compile.json"
+    out = tmp_path_factory.mktemp(name) / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--subset",
-            "ci",
-            "--jobs",
-            "2",
-            "--quiet",
-            "--json",
-            str(out),
-        ],
+        [sys.executable, *argv, str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -86,11 +78,21 @@ def compiled(tmp_path_factory):
     return proc, json.loads(out.read_text())
 
 
-def test_every_kernel_compiles_for_each_target(compiled):
-    proc, doc = compiled
+def _assert_no_errors(doc) -> None:
     assert doc["errors"] == [], "\n".join(
         f"{e['target']} {e['config']} {e['launcher']}: {e['error'][:1500]}" for e in doc["errors"]
     )
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    argv = [str(SCRIPT), "--subset", "ci", "--jobs", "2", "--quiet", "--json"]
+    return _compile_to_json(tmp_path_factory, "kernels-compile", argv)
+
+
+def test_every_kernel_compiles_for_each_target(compiled):
+    proc, doc = compiled
+    _assert_no_errors(doc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = doc["records"]
     fp8_configs = {c for c in doc["configs"] if "-kvfp8" in c}
@@ -164,21 +166,7 @@ with open(sys.argv[1], "w") as f:
 
 @pytest.fixture(scope="module")
 def compiled_reuse(tmp_path_factory):
-    reason = _nvidia_backend()
-    if reason:
-        pytest.skip(reason)
-    out = tmp_path_factory.mktemp("compile-reuse") / "reuse.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", REUSE_SCRIPT, str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-    )
-    assert out.exists(), f"no JSON written (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    return _compile_to_json(tmp_path_factory, "compile-reuse", ["-c", REUSE_SCRIPT])[1]
 
 
 def test_decode_with_a_selection_store_compiles(compiled_reuse):
@@ -187,9 +175,7 @@ def test_decode_with_a_selection_store_compiles(compiled_reuse):
     scoring and selection kernels compiled with REUSE on (and only so:
     nothing else launched)."""
     doc = compiled_reuse
-    assert doc["errors"] == [], "\n".join(
-        f"{e['target']} {e['config']} {e['launcher']}: {e['error'][:1500]}" for e in doc["errors"]
-    )
+    _assert_no_errors(doc)
     assert set(doc["targets"]) >= TARGETS
     assert doc["reuse"] == {"_score_kernel": [True], "_select_kernel": [True]}
     records = doc["records"]

@@ -222,38 +222,30 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
             sel_slot=slots,
             reuse=torch.zeros_like(slots),
         )
+
+    def decode(out):
+        triton_ops.hsa_decode(
+            q,
+            k_cache,
+            v_cache,
+            c.kt,
+            *args,
+            max_pages,
+            max_select,
+            force,
+            out=out,
+            sinks=sink,
+            workspace=ws,
+            **reuse_args,
+        )
+
     with sms(n_sms):
         ws = _workspace(q, hkv, max_pages, max_select, force)
         if store:  # a selecting step fills the store; the counted one reuses half
-            triton_ops.hsa_decode(
-                q,
-                k_cache,
-                v_cache,
-                c.kt,
-                *args,
-                max_pages,
-                max_select,
-                force,
-                out=out.clone(),
-                workspace=ws,
-                **reuse_args,
-            )
+            decode(out.clone())
             reuse_args["reuse"] = (slots % 2).to(torch.int32)
         with recording() as rec, no_allocation(rec):
-            triton_ops.hsa_decode(
-                q,
-                k_cache,
-                v_cache,
-                c.kt,
-                *args,
-                max_pages,
-                max_select,
-                force,
-                out=out,
-                sinks=sink,
-                workspace=ws,
-                **reuse_args,
-            )
+            decode(out)
     names = [n for n, _ in rec.launches]
     assert len(names) <= MAX_LAUNCHES, f"{len(names)} launches: {names}"
     assert names == ["_score_kernel", "_select_kernel", "_sparse_decode_kernel"]
