@@ -46,10 +46,11 @@ follows P, not max_pages, when a CUDA graph fixes max_pages at its largest):
    0) merges the S candidate lists into the row's n_use pages. A two-level
    top-n: exact, because a page among the row's n_use best is among the
    n_use best of its own split under the same order (probability, then
-   lowest page index). Each top-n is a bisection on the fp32 bit patterns
-   (probabilities are >= 0, so their int32 patterns order like the values)
-   for the n-th largest, then a cumsum packs the winners in ascending page
-   order, ties at the threshold by lowest index. So no pass runs a whole
+   lowest page index). Each top-n is a radix search on the fp32 bit
+   patterns (probabilities are >= 0, so their int32 patterns order like the
+   values) for the n-th largest, 2 bits a pass (16 dependent block-wide
+   counts, where a bisection takes 31), then a cumsum packs the winners in
+   ascending page order, ties at the threshold by lowest index. So no pass runs a whole
    row in one program: the merge reads S x min(n_use, chunk) candidates.
 
 n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages per row, f = 1
@@ -368,20 +369,70 @@ def _count_rest(row_ptr, n, thr, STRICT: tl.constexpr, FLOAT: tl.constexpr, BLOC
     return cnt
 
 
+# The threshold search decides 2 bits a pass: the counts of a pass's three
+# candidate digits ride in one int64 (21-bit fields), so a pass is one
+# block-wide reduction -- a barrier on the selection's critical path -- and 31
+# bits take 16 passes where a bisection takes 31. (16 digits a pass as a
+# [BLOCK, 16] compare held too much in registers: 250+ and spills for a
+# 4096-candidate merge.) Rows hold fewer than 2**21 pages (``plan_score``).
+RADIX_PASSES = 16
+MAX_SELECT_ROW = 1 << 21
+_RADIX_PASSES = tl.constexpr(RADIX_PASSES)
+_FIELD = tl.constexpr(21)
+_FIELD_MASK = tl.constexpr(MAX_SELECT_ROW - 1)
+
+
 @triton.jit
-def _threshold(bits0, row_ptr, n, want, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+def _digit_flags(bits, c1, c2, c3):
+    """Per element, bits >= c1, >= c2, >= c3 as 1s in three 21-bit fields."""
+    return (
+        (bits >= c1).to(tl.int64)
+        | ((bits >= c2).to(tl.int64) << _FIELD)
+        | ((bits >= c3).to(tl.int64) << (2 * _FIELD))
+    )
+
+
+@triton.jit
+def _count_at_least(
+    bits0, row_ptr, n, c1, c2, c3, FLOAT: tl.constexpr, BLOCK: tl.constexpr, REST: tl.constexpr
+):
+    """How many of the n elements (bits0: elements [0, BLOCK), with REST
+    the rest at row_ptr) have pattern >= c1, c2, c3, packed in one int64 (21
+    bits each, c1's lowest)."""
+    packed = _digit_flags(bits0, c1, c2, c3)
+    if REST:
+        for p0 in range(BLOCK, n, BLOCK):
+            bits = _bits_at(row_ptr, p0 + tl.arange(0, BLOCK), n, FLOAT)
+            packed += _digit_flags(bits, c1, c2, c3)
+    return tl.sum(packed, 0)
+
+
+@triton.jit
+def _threshold(
+    bits0, row_ptr, n, want, FLOAT: tl.constexpr, BLOCK: tl.constexpr, REST: tl.constexpr
+):
     """(thr, room) for the top ``want`` of n elements (bits0: elements [0,
-    BLOCK), the rest at row_ptr): thr is the largest pattern with
-    count(>= thr) >= want (31 bisection steps on the bits), room how many
-    elements equal to thr are taken after all those above it."""
+    BLOCK), with REST (n may exceed BLOCK) the rest at row_ptr): thr is the
+    largest pattern with count(>= thr) >= want (0 if none), room how many
+    elements equal to thr are taken after all those above it. From the top,
+    2 bits a pass: counts fall as the digit grows, so the digit kept (the
+    largest leaving ``want`` elements) is how many of the three candidates
+    do; the first pass decides bit 30 alone (bit 31, the sign, is 0 for
+    every candidate)."""
     thr = want * 0  # int32 scalar
-    for k in range(31):
-        cand = thr | (1 << (30 - k))
-        cnt = tl.sum((bits0 >= cand).to(tl.int32), 0) + _count_rest(
-            row_ptr, n, cand, False, FLOAT, BLOCK
-        )
-        thr = tl.where(cnt >= want, cand, thr)
-    above = tl.sum((bits0 > thr).to(tl.int32), 0) + _count_rest(row_ptr, n, thr, True, FLOAT, BLOCK)
+    for k in range(_RADIX_PASSES):
+        step = 1 << (30 - 2 * k)
+        c1 = thr + step
+        c2 = tl.where(k > 0, c1 + step, c1)
+        c3 = tl.where(k > 0, c2 + step, c1)
+        packed = _count_at_least(bits0, row_ptr, n, c1, c2, c3, FLOAT, BLOCK, REST)
+        digit = ((packed & _FIELD_MASK) >= want).to(tl.int32)
+        digit += (((packed >> _FIELD) & _FIELD_MASK) >= want).to(tl.int32)
+        digit += ((packed >> (2 * _FIELD)) >= want).to(tl.int32)
+        thr = thr + tl.minimum(digit, tl.where(k > 0, 3, 1)) * step
+    above = tl.sum((bits0 > thr).to(tl.int32), 0)
+    if REST:
+        above += _count_rest(row_ptr, n, thr, True, FLOAT, BLOCK)
     return thr, want - above
 
 
@@ -406,27 +457,31 @@ def _pack(bits, payload, thr, room, base, eq_seen, out_ptr, bits_out_ptr, STORE_
 
 
 @triton.jit
-def _merge_candidates(cbits_row, cpage_row, n, want, sel_row, BLOCK: tl.constexpr):
+def _merge_candidates(
+    cbits_row, cpage_row, n, want, sel_row, BLOCK: tl.constexpr, REST: tl.constexpr
+):
     """The top ``want`` of n candidates (patterns cbits_row, pages
-    cpage_row) -> their pages at sel_row[0:want], candidate order."""
+    cpage_row) -> their pages at sel_row[0:want], candidate order (REST: n
+    may exceed BLOCK)."""
     idx = tl.arange(0, BLOCK)
     bits0 = _bits_at(cbits_row, idx, n, False)
-    thr, room = _threshold(bits0, cbits_row, n, want, False, BLOCK)
+    thr, room = _threshold(bits0, cbits_row, n, want, False, BLOCK, REST)
     pages = tl.load(cpage_row + idx, mask=idx < n, other=0, cache_modifier=".cg")
     base, eq_seen = _pack(bits0, pages, thr, room, thr * 0, thr * 0, sel_row, sel_row, False)
-    for p0 in range(BLOCK, n, BLOCK):
-        i = p0 + idx
-        base, eq_seen = _pack(
-            _bits_at(cbits_row, i, n, False),
-            tl.load(cpage_row + i, mask=i < n, other=0, cache_modifier=".cg"),
-            thr,
-            room,
-            base,
-            eq_seen,
-            sel_row,
-            sel_row,
-            False,
-        )
+    if REST:
+        for p0 in range(BLOCK, n, BLOCK):
+            i = p0 + idx
+            base, eq_seen = _pack(
+                _bits_at(cbits_row, i, n, False),
+                tl.load(cpage_row + i, mask=i < n, other=0, cache_modifier=".cg"),
+                thr,
+                room,
+                base,
+                eq_seen,
+                sel_row,
+                sel_row,
+                False,
+            )
 
 
 @triton.jit
@@ -525,6 +580,7 @@ def _select_kernel(
     CAND_PAD: tl.constexpr,
     MERGE_BLOCK: tl.constexpr,
     MERGE_SMALL: tl.constexpr,
+    MERGE_REST: tl.constexpr,
     FORCE: tl.constexpr,
     FROM_PROBS: tl.constexpr,
     WRITE_PROBS: tl.constexpr,
@@ -535,7 +591,8 @@ def _select_kernel(
     read: FROM_PROBS), its local top-n_use as candidates; the row's last
     split to finish merges the candidates into sel[bh, :n_use] (ascending
     page order). LONG: a split may hold more than SUB pages (the rest of
-    its probabilities go through ``probs`` and are read back). REUSE: the
+    its probabilities go through ``probs`` and are read back); MERGE_REST:
+    a row may have more than MERGE_BLOCK candidates (read back per step). REUSE: the
     selection store [S, Hkv, store_width]: a reusing row's split 0 copies
     its slot's n_use pages into sel, its other splits do nothing (no
     candidates, no counter); another row with a slot gets its merged pages
@@ -584,7 +641,7 @@ def _select_kernel(
             size = tl.maximum(hi - lo, 0)
             n_loc = tl.minimum(n_use, size)
             if size > n_loc:
-                thr, room = _threshold(bits0, prow + lo, size, n_loc, True, SUB)
+                thr, room = _threshold(bits0, prow + lo, size, n_loc, True, SUB, LONG or FROM_PROBS)
             else:  # every page of the split is a candidate
                 thr = n_loc * 0
                 room = size
@@ -627,15 +684,33 @@ def _select_kernel(
                 if MERGE_BLOCK > MERGE_SMALL:
                     if total <= MERGE_SMALL:  # the usual compressed view
                         _merge_candidates(
-                            cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_SMALL
+                            cbits_ptr + mrow,
+                            cpage_ptr + mrow,
+                            total,
+                            n_use,
+                            srow,
+                            MERGE_SMALL,
+                            False,
                         )
                     else:
                         _merge_candidates(
-                            cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
+                            cbits_ptr + mrow,
+                            cpage_ptr + mrow,
+                            total,
+                            n_use,
+                            srow,
+                            MERGE_BLOCK,
+                            MERGE_REST,
                         )
                 else:
                     _merge_candidates(
-                        cbits_ptr + mrow, cpage_ptr + mrow, total, n_use, srow, MERGE_BLOCK
+                        cbits_ptr + mrow,
+                        cpage_ptr + mrow,
+                        total,
+                        n_use,
+                        srow,
+                        MERGE_BLOCK,
+                        MERGE_REST,
                     )
                 if REUSE:  # kept for the row's later steps (sel: other threads' stores)
                     tl.debug_barrier()
@@ -705,6 +780,8 @@ def plan_score(
     """Splits: about PROGRAMS_PER_SM programs per SM over the B*Hkv rows
     (capped by max_pages' tiles), or max_pages / chunk when chunk is given."""
     max_pages = max(1, int(max_pages))
+    if max_pages >= MAX_SELECT_ROW:  # the selection's 21-bit counts
+        raise ValueError(f"max_pages {max_pages} >= {MAX_SELECT_ROW}: pages per row must be fewer")
     block_p = BLOCK_PAGES
     if chunk is None:
         splits = min(
@@ -948,12 +1025,13 @@ def launch_select(
         CAND_PAD=max(2, next_pow2(plan.cand)),
         MERGE_BLOCK=plan.merge_block,
         MERGE_SMALL=min(plan.merge_block, MERGE_SMALL_BLOCK),
+        MERGE_REST=plan.splits * plan.cand > plan.merge_block,
         FORCE=bool(force_current_page) and not from_probs,
         FROM_PROBS=from_probs,
         WRITE_PROBS=write_probs,
         SELECT=select,
         REUSE=reuse_on,
-        # 8 warps: shorter per-thread runs in the scans and bisections (and
+        # 8 warps: shorter per-thread runs in the scans and radix counts (and
         # with 4, ptxas-blackwell spilled a few bytes of one sm_100 variant)
         num_warps=8,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
@@ -358,6 +359,16 @@ def resolve_settings(
     ).page_size
     if block_size % page_size:
         _fail("page_size", page_size, f"a power of two that divides block_size={block_size}")
+    from rocketkv_vllm.plan import MAX_VIEW_PAGES, max_view_pages  # plan imports config
+
+    if max_view_pages(max_model_len, page_size) > MAX_VIEW_PAGES:
+        least = 1 << max(0, math.ceil(math.log2(max_model_len / (MAX_VIEW_PAGES - 1))))
+        _fail(
+            "page_size",
+            page_size,
+            f"a power of two in [{least}, {block_size}] with max_model_len={max_model_len} "
+            f"(at most {MAX_VIEW_PAGES} pages a request)",
+        )
     if not 1 <= topr <= head_dim:
         _fail("topr", topr, f"an integer in [1, {head_dim}] (the head dim)")
     if cfg.token_budget is None and cfg.topk % page_size:

@@ -65,6 +65,14 @@ def test_range_checks_that_need_the_engine():
         resolve_settings(parse_config({"window_size": 14}), 16, 64, 8192)
     # without eviction there is no window to respect
     resolve_settings(parse_config({"evict": False, "window_size": 8}), 64, 64, 8192)
+    # a request's view pages must fit the selection kernel's counts
+    # (kernels.hsa_score.MAX_SELECT_ROW): 2**23 tokens need pages of 8
+    with pytest.raises(RocketKVConfigError, match=r"rocketkv.page_size=4 .*\[8, 16\]"):
+        resolve_settings(parse_config({"page_size": 4}), 16, 64, 1 << 23)
+    resolve_settings(parse_config({"page_size": 8}), 16, 64, 1 << 23)
+    resolve_settings(parse_config({"page_size": 1}), 16, 64, (1 << 21) - 2)
+    with pytest.raises(RocketKVConfigError, match=r"rocketkv.page_size=1 .*\[2, 16\]"):
+        resolve_settings(parse_config({"page_size": 1}), 16, 64, (1 << 21) - 1)
 
 
 def test_every_preset_parses_and_resolves():

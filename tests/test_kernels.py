@@ -639,6 +639,53 @@ def test_select_pages_across_chunks():
     assert sel[0, 0, :55].tolist() == sorted(want)  # ascending page order
 
 
+@parametrize("spread", [1, 40, 5000, 1 << 22])
+def test_select_pages_threshold_in_the_low_bits(spread):
+    """Probabilities whose fp32 patterns differ only below bit log2(spread)
+    (many exact repeats at spread 1 and 40): the selection kernel's
+    threshold search must settle its last bits too. Exactly the reference
+    top-n (value, then lowest page), in ascending page order, for rows of
+    one chunk and of several (the counts then read the rest back)."""
+    gen = torch.Generator().manual_seed(spread)
+    ps = 4
+    base = int(torch.tensor(0.01).view(torch.int32))
+    # three rows x 2 heads; then one row x 1 head selecting 600 pages, whose
+    # 8 splits leave 4,800 candidates: more than the merge holds at once
+    for hkv, specs, topk, max_select in [
+        (2, [(40, 64, 300), (0, 0, 3000), (4000, 4096, 30000)], [9, 33, 61], 64),
+        (1, [(4000, 4096, 90000)], [600], 600),
+    ]:
+        num_pages = [paged.view_page_starts(*s, ps, "cpu").numel() for s in specs]
+        probs = torch.full((len(specs), hkv, max(num_pages)), -1.0)
+        for b, n in enumerate(num_pages):
+            bits = base + torch.randint(0, spread, (hkv, n), generator=gen, dtype=torch.int32)
+            probs[b, :, :n] = bits.view(torch.float32)
+        args = [_ints([s[i] for s in specs]) for i in range(3)]
+        topk_tokens = _ints([t * ps for t in topk])
+        sel = select_pages(probs.to(DEVICE), max_select, *args, topk_tokens, ps, "triton").cpu()
+        for b, n in enumerate(num_pages):
+            n_use = min(topk[b], n)
+            for h in range(hkv):
+                # stable sort: equal values keep ascending page order
+                want = torch.sort(-probs[b, h, :n], stable=True).indices[:n_use].sort().values
+                assert sel[b, h, :n_use].tolist() == want.tolist(), (
+                    f"row {b} head {h}: {sel[b, h, :n_use].tolist()} != {want.tolist()}"
+                )
+
+
+def test_selection_row_limit_matches_the_config_check():
+    """The selection kernel counts a row's pages in 21-bit fields: the page
+    bound the config enforces (``plan.MAX_VIEW_PAGES``) is what it takes,
+    and its plan refuses more."""
+    from rocketkv_vllm.kernels.hsa_score import MAX_SELECT_ROW, plan_score
+    from rocketkv_vllm.plan import MAX_VIEW_PAGES
+
+    assert MAX_VIEW_PAGES == MAX_SELECT_ROW - 1
+    plan_score(1, 8, MAX_VIEW_PAGES, 64, True, 132)
+    with pytest.raises(ValueError, match="max_pages"):
+        plan_score(1, 8, MAX_VIEW_PAGES + 1, 64, True, 132)
+
+
 def _sparse_ref(q, c, row, nc, ts, seq, pages, scale):
     """Attention over the tokens of the given view pages, per KV head."""
     starts = paged.view_page_starts(nc, ts, seq, c.ps, DEVICE)
