@@ -681,36 +681,20 @@ def _select_kernel(
                 total = (row_pages + chunk - 1) // chunk * stride
                 mrow = bh.to(tl.int64) * num_splits * cand
                 srow = sel_ptr + bh.to(tl.int64) * num_sel
+                cbits_row = cbits_ptr + mrow
+                cpage_row = cpage_ptr + mrow
                 if MERGE_BLOCK > MERGE_SMALL:
                     if total <= MERGE_SMALL:  # the usual compressed view
                         _merge_candidates(
-                            cbits_ptr + mrow,
-                            cpage_ptr + mrow,
-                            total,
-                            n_use,
-                            srow,
-                            MERGE_SMALL,
-                            False,
+                            cbits_row, cpage_row, total, n_use, srow, MERGE_SMALL, False
                         )
                     else:
                         _merge_candidates(
-                            cbits_ptr + mrow,
-                            cpage_ptr + mrow,
-                            total,
-                            n_use,
-                            srow,
-                            MERGE_BLOCK,
-                            MERGE_REST,
+                            cbits_row, cpage_row, total, n_use, srow, MERGE_BLOCK, MERGE_REST
                         )
                 else:
                     _merge_candidates(
-                        cbits_ptr + mrow,
-                        cpage_ptr + mrow,
-                        total,
-                        n_use,
-                        srow,
-                        MERGE_BLOCK,
-                        MERGE_REST,
+                        cbits_row, cpage_row, total, n_use, srow, MERGE_BLOCK, MERGE_REST
                     )
                 if REUSE:  # kept for the row's later steps (sel: other threads' stores)
                     tl.debug_barrier()
