@@ -50,8 +50,9 @@ follows P, not max_pages, when a CUDA graph fixes max_pages at its largest):
    patterns (probabilities are >= 0, so their int32 patterns order like the
    values) for the n-th largest, 2 bits a pass (16 dependent block-wide
    counts, where a bisection takes 31), then a cumsum packs the winners in
-   ascending page order, ties at the threshold by lowest index. So no pass runs a whole
-   row in one program: the merge reads S x min(n_use, chunk) candidates.
+   ascending page order, ties at the threshold by lowest index. So no pass
+   runs a whole row in one program: the merge reads S x min(n_use, chunk)
+   candidates.
 
 n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages per row, f = 1
 with force_current_page (else 0), n_sel = min(max_select + f, max_pages).
@@ -375,10 +376,10 @@ def _count_rest(row_ptr, n, thr, STRICT: tl.constexpr, FLOAT: tl.constexpr, BLOC
 # bits take 16 passes where a bisection takes 31. (16 digits a pass as a
 # [BLOCK, 16] compare held too much in registers: 250+ and spills for a
 # 4096-candidate merge.) Rows hold fewer than 2**21 pages (``plan_score``).
-RADIX_PASSES = 16
-MAX_SELECT_ROW = 1 << 21
-_RADIX_PASSES = tl.constexpr(RADIX_PASSES)
-_FIELD = tl.constexpr(21)
+FIELD_BITS = 21
+MAX_SELECT_ROW = 1 << FIELD_BITS
+_RADIX_PASSES = tl.constexpr(16)
+_FIELD = tl.constexpr(FIELD_BITS)
 _FIELD_MASK = tl.constexpr(MAX_SELECT_ROW - 1)
 
 
