@@ -888,7 +888,9 @@ def launch_score(
     if not reuse_on:  # not read
         sel_slot = reuse = topr
     half = _half_type(kt_cache)
-    # 8 warps past d 64 (compile_kernels.py's register counts)
+    # 4 warps up to d 128: more programs resident per SM than with 8 (sm_90,
+    # d 128: 3 against 2 with Triton 3.9, 2 against 1 with 3.6, no spill);
+    # 8 past it, where 4 spill (compile_kernels.py's register counts)
     _score_kernel[plan.grid](
         query,
         kt_cache,
@@ -930,7 +932,7 @@ def launch_score(
         FP8=fp8,
         UPDATE_KT=update,
         REUSE=reuse_on,
-        num_warps=4 if head_pad(d) <= 64 else 8,
+        num_warps=4 if head_pad(d) <= 128 else 8,
     )
 
 
