@@ -220,6 +220,24 @@ def test_decode_kernels_report_registers_shared_memory_and_spills(compiled):
             assert w["max_spill_bytes"] == 0, (key, w)
 
 
+def test_decode_kernels_keep_three_programs_resident_per_sm(compiled):
+    """Occupancy proxy for the latency-bound decode (issue 38): at a Llama
+    layer's shapes (d 128, bf16, FULL-graph launch) each of the three decode
+    kernels fits at least 3 programs on an sm_90 SM, so a batch-1 grid of a
+    few hundred programs runs in one wave (the scoring kernel took 2 with 8
+    warps)."""
+    _, doc = compiled
+    rows = {
+        r["kernel"]: r["blocks_per_sm"]
+        for r in doc["records"]
+        if r["target"] == "sm_90"
+        and r["config"] == "d128-bf16-ps16-fp8kt-graph"
+        and r["launcher"] == "hsa_decode"
+    }
+    assert set(rows) == set(DECODE), rows
+    assert min(rows.values()) >= 3, rows
+
+
 def test_no_register_spills_in_16_bit_configurations(compiled):
     _, doc = compiled
     spilled = [
