@@ -23,6 +23,17 @@ DEFAULT_PAGE_SIZE = 4
 # 32 needles on SmolLM2 at 6k where 128 tokens found 15, dense's 15
 # (docs/results.md, issue 40).
 MIN_TOPK_TOKENS = 128
+# The most view pages a request may have: Stage 2's Triton selection counts a
+# row's pages in 21-bit fields (``kernels.hsa_score.MAX_SELECT_ROW``);
+# ``config.resolve_settings`` refuses a page size that allows more.
+MAX_VIEW_PAGES = (1 << 21) - 1
+
+
+def max_view_pages(max_model_len: int, page_size: int) -> int:
+    """An upper bound on any request's view pages: both regions together
+    hold at most ``max_model_len`` tokens, and each may end in a partial
+    page."""
+    return -(-max_model_len // page_size) + 1
 
 
 @dataclass(frozen=True)

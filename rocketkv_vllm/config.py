@@ -25,7 +25,12 @@ from typing import Any
 
 import yaml
 
-from rocketkv_vllm.budget import kernel_budget, prompt_budget_floor
+from rocketkv_vllm.budget import (
+    MAX_VIEW_PAGES,
+    kernel_budget,
+    max_view_pages,
+    prompt_budget_floor,
+)
 
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -359,8 +364,6 @@ def resolve_settings(
     ).page_size
     if block_size % page_size:
         _fail("page_size", page_size, f"a power of two that divides block_size={block_size}")
-    from rocketkv_vllm.plan import MAX_VIEW_PAGES, max_view_pages  # plan imports config
-
     if max_view_pages(max_model_len, page_size) > MAX_VIEW_PAGES:
         least = 1 << max(0, math.ceil(math.log2(max_model_len / (MAX_VIEW_PAGES - 1))))
         _fail(

@@ -25,19 +25,6 @@ def view_pages(num_compact, tail_start, seq_len, page_size: int):
     return cdiv(num_compact, page_size) + cdiv(seq_len - tail_start, page_size)
 
 
-# The most view pages a request may have: Stage 2's Triton selection counts a
-# row's pages in 21-bit fields (``kernels.hsa_score.MAX_SELECT_ROW``);
-# ``config.resolve_settings`` refuses a page size that allows more.
-MAX_VIEW_PAGES = (1 << 21) - 1
-
-
-def max_view_pages(max_model_len: int, page_size: int) -> int:
-    """An upper bound on any request's view pages: both regions together
-    hold at most ``max_model_len`` tokens, and each may end in a partial
-    page."""
-    return cdiv(max_model_len, page_size) + 1
-
-
 @dataclass(frozen=True)
 class RequestPlan:
     """What RocketKV does with one request, derived from its prompt length.

@@ -274,9 +274,9 @@ def test_reported_grids_are_the_launched_ones():
 def _trtllm_launches(context: int, batch: int = 1, generated: int = 32):
     """(launches, row view pages, selected pages) of a FULL-graph decode
     step, everything derived as the backend derives it."""
-    from rocketkv_vllm.budget import pages_selected
+    from rocketkv_vllm.budget import max_view_pages, pages_selected
     from rocketkv_vllm.config import parse_config, resolve_settings
-    from rocketkv_vllm.plan import max_view_pages, plan_request, view_pages
+    from rocketkv_vllm.plan import plan_request, view_pages
 
     hq, hkv, d, bs = 32, 8, 128, 16
     mml = context + generated

@@ -675,10 +675,10 @@ def test_select_pages_threshold_in_the_low_bits(spread):
 
 def test_selection_row_limit_matches_the_config_check():
     """The selection kernel counts a row's pages in 21-bit fields: the page
-    bound the config enforces (``plan.MAX_VIEW_PAGES``) is what it takes,
+    bound the config enforces (``budget.MAX_VIEW_PAGES``) is what it takes,
     and its plan refuses more."""
+    from rocketkv_vllm.budget import MAX_VIEW_PAGES
     from rocketkv_vllm.kernels.hsa_score import MAX_SELECT_ROW, plan_score
-    from rocketkv_vllm.plan import MAX_VIEW_PAGES
 
     assert MAX_VIEW_PAGES == MAX_SELECT_ROW - 1
     plan_score(1, 8, MAX_VIEW_PAGES, 64, True, 132)

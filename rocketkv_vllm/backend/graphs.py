@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rocketkv_vllm.budget import budget_pages_selected, kernel_budget
+from rocketkv_vllm.budget import budget_pages_selected, kernel_budget, max_view_pages
 from rocketkv_vllm.config import RocketKVSettings, TestAids
-from rocketkv_vllm.plan import max_view_pages
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ from rocketkv_vllm.backend.graphs import selection_width
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import NativeQuery, native_for_config
 from rocketkv_vllm.backend.stages import stage1_for, stage2_for
+from rocketkv_vllm.budget import max_view_pages
 from rocketkv_vllm.config import settings_for, test_aids_for
 from rocketkv_vllm.fp8_kv import LARGE_CODE, kv_quant_for
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.ops.base import HsaRows
-from rocketkv_vllm.plan import max_view_pages
 from rocketkv_vllm.state import worker_state
 
 
