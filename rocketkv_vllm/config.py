@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
@@ -29,6 +28,7 @@ from rocketkv_vllm.budget import (
     MAX_VIEW_PAGES,
     kernel_budget,
     max_view_pages,
+    pow2_at_least,
     prompt_budget_floor,
 )
 
@@ -365,7 +365,7 @@ def resolve_settings(
     if block_size % page_size:
         _fail("page_size", page_size, f"a power of two that divides block_size={block_size}")
     if max_view_pages(max_model_len, page_size) > MAX_VIEW_PAGES:
-        least = 1 << max(0, math.ceil(math.log2(max_model_len / (MAX_VIEW_PAGES - 1))))
+        least = pow2_at_least(max_model_len / (MAX_VIEW_PAGES - 1))
         _fail(
             "page_size",
             page_size,
