@@ -357,16 +357,12 @@ def _bits_at(row_ptr, idx, n, FLOAT: tl.constexpr):
 
 
 @triton.jit
-def _count_rest(row_ptr, n, thr, STRICT: tl.constexpr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
-    """How many of elements [BLOCK, n) have pattern > thr (STRICT) or >= thr."""
+def _count_rest_above(row_ptr, n, thr, FLOAT: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of elements [BLOCK, n) have pattern > thr."""
     cnt = thr * 0
     for p0 in range(BLOCK, n, BLOCK):
         bits = _bits_at(row_ptr, p0 + tl.arange(0, BLOCK), n, FLOAT)
-        if STRICT:
-            hit = bits > thr
-        else:
-            hit = bits >= thr
-        cnt += tl.sum(hit.to(tl.int32), 0)
+        cnt += tl.sum((bits > thr).to(tl.int32), 0)
     return cnt
 
 
@@ -433,7 +429,7 @@ def _threshold(
         thr = thr + tl.minimum(digit, tl.where(k > 0, 3, 1)) * step
     above = tl.sum((bits0 > thr).to(tl.int32), 0)
     if REST:
-        above += _count_rest(row_ptr, n, thr, True, FLOAT, BLOCK)
+        above += _count_rest_above(row_ptr, n, thr, FLOAT, BLOCK)
     return thr, want - above
 
 
