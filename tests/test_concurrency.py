@@ -51,6 +51,8 @@ from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
 from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 
 ORDERS = ("ascending", "reversed", "shuffled")
+DIRTY_F32 = dict(ascending=0.0, reversed=float("nan"), shuffled=-3.0e38)
+DIRTY_I32 = dict(ascending=0, reversed=-1, shuffled=(1 << 31) - 1)
 
 
 # --------------------------------------------------------------------------
@@ -339,7 +341,10 @@ def test_race_check_tells_a_synchronised_merge_from_racy_ones(mode, racy):
 def test_hsa_decode_as_on_a_gpu(hkv, g, d, bs, ps, dtype, force, layout, kt_dtype, n_sms, sinks):
     """Two steps over the same batch: one where every slotted row selects and
     stores its pages, one where half of them reuse the store; many splits
-    per row (SMs mocked up), so every launch merges through its counters."""
+    per row (SMs mocked up), so every launch merges through its counters.
+    Each order starts from other leftovers in the workspace's scratch (the
+    counters excepted: zeroed once, kept at 0 by the launches), so a read of
+    scratch no program of the step wrote changes the bytes."""
     c0, q, args, max_pages, max_select = tdl._batch(
         hkv, g, d, bs, ps, dtype, layout=layout, kt_dtype=kt_dtype, seed=3
     )
@@ -353,6 +358,9 @@ def test_hsa_decode_as_on_a_gpu(hkv, g, d, bs, ps, dtype, force, layout, kt_dtyp
         outs = [torch.full_like(q, 7.0) for _ in range(2)]
         with tdl.sms(n_sms):
             ws = tdl._workspace(q, hkv, max_pages, max_select, force)
+            # scratch as a GPU leaves it: each order its own leftovers
+            ws.f32.fill_(DIRTY_F32[order])
+            ws.i32.fill_(DIRTY_I32[order])
             tensors = dict(cache=c.storage, store=store, out0=outs[0], out1=outs[1])
             tensors.update({f"workspace.{k}": v for k, v in vars(ws).items() if torch.is_tensor(v)})
             with as_on_a_gpu(order, tensors, seed=n_sms):
