@@ -11,13 +11,14 @@ the other kernel tests and is wrong on CUDA, so each launch here runs
   grid dimension (``program_order``), and must give the ascending run's
   bytes: outputs, KT pages, compacted K/V, the selection store, selections,
   with the merge counters back at 0;
-* under a race check (``race_check``): every load and store of each program
-  is recorded, and two programs of one launch touching the same byte, one of
-  them writing, must be ordered by the launch's own synchronisation: a
-  release atomic by the first after its access, and an acquire atomic by the
-  second on the same address after that and before its access (the "last to
-  arrive merges" counters). Accesses within one program are not checked
-  (the interpreter does not model a program's threads).
+* under a race check (``race_check``): every load, store, atomic and
+  barrier of each program is recorded. Two accesses to one byte in a launch,
+  one of them a write, must be ordered as a GPU orders them: in one program
+  by a barrier between them (the interpreter does not model a program's
+  threads, so any two may be different threads); across programs by a
+  barrier and a release atomic after the first access, then an acquire
+  atomic on the same address before the second (the "last to arrive merges"
+  counters).
 
 Interpreter only: on CUDA the hardware picks the order.
 """
@@ -104,21 +105,33 @@ class Launch:
     accesses: list[Access] = field(default_factory=list)
     # program -> [(time, byte address, release, acquire)]
     atomics: dict = field(default_factory=dict)
+    barriers: dict = field(default_factory=dict)  # program -> [time of each barrier]
+
+    def _barrier_between(self, program, t0: int, t1: int) -> bool:
+        return any(t0 < t < t1 for t in self.barriers.get(program, ()))
 
     def ordered(self, first: Access, then: Access) -> bool:
-        """``first`` happens before ``then``: a release by first's program
-        after it, then an acquire by then's program on the same address
-        before ``then``."""
+        """``first`` happens before ``then`` on a GPU. In one program: a
+        barrier between them (its threads may hold different elements). Across
+        programs: a barrier after ``first`` (so its program's other threads'
+        accesses are done), then a release atomic by that program, then an
+        acquire atomic by then's program on the same address before ``then``
+        (its threads learn the result through the barrier Triton puts after a
+        scalar atomic whose value is used: checked in its PTX, 3.6 and 3.9;
+        the barrier before the release is the kernel's own in 3.6)."""
+        if first.program == then.program:
+            return self._barrier_between(first.program, first.time, then.time)
         for t_rel, addr, release, _ in self.atomics.get(first.program, ()):
-            if release and t_rel > first.time:
-                for t_acq, addr2, _, acquire in self.atomics.get(then.program, ()):
-                    if acquire and addr2 == addr and t_rel < t_acq < then.time:
-                        return True
+            if not (release and self._barrier_between(first.program, first.time, t_rel)):
+                continue
+            for t_acq, addr2, _, acquire in self.atomics.get(then.program, ()):
+                if acquire and addr2 == addr and t_rel < t_acq < then.time:
+                    return True
         return False
 
     def races(self, limit: int = 5) -> list[tuple[int, Access, Access]]:
-        """Unordered pairs of accesses by two programs to one byte, one of them
-        a write: (byte address, earlier access, later access)."""
+        """Unordered pairs of accesses to one byte, one of them a write:
+        (byte address, earlier access, later access)."""
         if not any(a.write for a in self.accesses):
             return []
         written = np.unique(np.concatenate([a.addresses for a in self.accesses if a.write]))
@@ -137,7 +150,7 @@ class Launch:
             for x in ids:
                 for y in ids:
                     a, b = self.accesses[x], self.accesses[y]
-                    if a.time >= b.time or a.program == b.program or not (a.write or b.write):
+                    if a.time >= b.time or not (a.write or b.write):
                         continue
                     if (x, y) in checked:
                         continue
@@ -193,6 +206,12 @@ def race_check():
                 )
 
     # (the cache arguments after the mask differ between Triton versions)
+    def barrier():
+        if running:
+            launch = running[-1]
+            launch.time += 1
+            launch.barriers.setdefault(builder.grid_idx, []).append(launch.time)
+
     def masked_load(ptrs, mask, *rest):
         access(ptrs, mask, False)
         return load(ptrs, mask, *rest)
@@ -223,6 +242,7 @@ def race_check():
             create_masked_store=masked_store,
             create_atomic_rmw=atomic_rmw,
             create_atomic_cas=atomic_cas,
+            create_barrier=barrier,
         ),
         mock.patch.object(interpreter.GridExecutor, "__call__", call),
     ):
@@ -300,23 +320,40 @@ def test_program_order_changes_the_order_programs_arrive_in(order):
 
 @triton.jit
 def _merge_kernel(part_ptr, count_ptr, out_ptr, N: tl.constexpr, MODE: tl.constexpr):
-    """Each program writes its part; MODE 0: the last to arrive sums them;
-    1: the last by index sums them (no acquire); 2: every program adds its
-    part to out (a plain read-modify-write)."""
+    """Each program writes its part, then MODE 0: a barrier and the last to
+    arrive at an acq_rel counter sums the parts; 1: the last by index sums
+    them; 2: every program adds its part to out (read-modify-write); 3: as 0
+    without the barrier; 4: as 0 with a relaxed counter."""
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, pid + 1.0)
-    if MODE == 0:
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if done == N - 1:
-            tl.store(out_ptr, tl.sum(tl.load(part_ptr + tl.arange(0, N))))
-    elif MODE == 1:
+    if MODE == 1:
         if pid == N - 1:
             tl.store(out_ptr, tl.sum(tl.load(part_ptr + tl.arange(0, N))))
-    else:
+    elif MODE == 2:
         tl.store(out_ptr, tl.load(out_ptr) + pid + 1.0)
+    else:
+        if MODE != 3:
+            tl.debug_barrier()
+        if MODE == 4:
+            done = tl.atomic_add(count_ptr, 1, sem="relaxed")
+        else:
+            done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if done == N - 1:
+            tl.store(out_ptr, tl.sum(tl.load(part_ptr + tl.arange(0, N))))
 
 
-@pytest.mark.parametrize("mode,racy", [(0, False), (1, True), (2, True)])
+@triton.jit
+def _reverse_kernel(buf_ptr, out_ptr, N: tl.constexpr, BARRIER: tl.constexpr):
+    """One program writes a block and reads it back reversed: other threads'
+    elements, so only a barrier between orders them."""
+    i = tl.arange(0, N)
+    tl.store(buf_ptr + i, i.to(tl.float32))
+    if BARRIER:
+        tl.debug_barrier()
+    tl.store(out_ptr + i, tl.load(buf_ptr + N - 1 - i))
+
+
+@pytest.mark.parametrize("mode,racy", [(0, False), (1, True), (2, True), (3, True), (4, True)])
 def test_race_check_tells_a_synchronised_merge_from_racy_ones(mode, racy):
     parts = torch.zeros(8)
     out = torch.zeros(1)
@@ -327,27 +364,52 @@ def test_race_check_tells_a_synchronised_merge_from_racy_ones(mode, racy):
     assert bool(found) == racy, found
 
 
+@pytest.mark.parametrize("barrier", [True, False])
+def test_race_check_needs_a_barrier_inside_a_program(barrier):
+    out = torch.zeros(16)
+    with race_check() as launches:
+        _reverse_kernel[(1,)](torch.zeros(16), out, N=16, BARRIER=barrier)
+    assert out.tolist() == list(range(16))[::-1]
+    assert bool(launches[0].races()) != barrier
+
+
 # --------------------------------------------------------------------------
 # Stage 2: the three decode launches, with many splits and a selection store
 
 
-@pytest.mark.parametrize(
-    "hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,n_sms,sinks",
-    [
-        (2, 4, 64, 16, 4, tk.BF16, True, "token", tk.FP8, 32, True),
-        (2, 2, 32, 16, 2, tk.F32, False, "cpu_vec", tk.AUTO, 64, False),
-    ],
+# A row of 1,231 view pages scored by one split (1 SM): more than the
+# selection's SELECT_SUB_PAGES, so its probabilities go through the scratch
+# and are read back (a LONG plan).
+LONG_ROWS = dict(
+    specs=[(600, 640, 2500), (0, 0, 0), (13, 32, 33)], topk_pages=(40, 1, 3), topr=(32, 16, 7)
 )
-def test_hsa_decode_as_on_a_gpu(hkv, g, d, bs, ps, dtype, force, layout, kt_dtype, n_sms, sinks):
+
+
+@pytest.mark.parametrize(
+    "hkv,g,d,bs,ps,dtype,force,layout,kt_dtype,n_sms,sinks,rows",
+    [
+        (2, 4, 64, 16, 4, tk.BF16, True, "token", tk.FP8, 32, True, {}),
+        (2, 2, 32, 16, 2, tk.F32, False, "cpu_vec", tk.AUTO, 64, False, {}),
+        (2, 2, 32, 16, 2, tk.F32, True, "head_rows", tk.AUTO, 1, False, LONG_ROWS),
+    ],
+    ids=["many-splits-bf16", "many-splits-f32", "long-row"],
+)
+def test_hsa_decode_as_on_a_gpu(
+    hkv, g, d, bs, ps, dtype, force, layout, kt_dtype, n_sms, sinks, rows
+):
     """Two steps over the same batch: one where every slotted row selects and
     stores its pages, one where half of them reuse the store; many splits
-    per row (SMs mocked up), so every launch merges through its counters.
-    Each order starts from other leftovers in the workspace's scratch (the
+    per row (SMs mocked up), so every launch merges through its counters,
+    or one split holding a row longer than the selection's block. Each
+    order starts from other leftovers in the workspace's scratch (the
     counters excepted: zeroed once, kept at 0 by the launches), so a read of
     scratch no program of the step wrote changes the bytes."""
     c0, q, args, max_pages, max_select = tdl._batch(
-        hkv, g, d, bs, ps, dtype, layout=layout, kt_dtype=kt_dtype, seed=3
+        hkv, g, d, bs, ps, dtype, layout=layout, kt_dtype=kt_dtype, seed=3, **rows
     )
+    if rows:
+        plan = hsa_score.plan_score(q.shape[0], hkv, max_pages, max_select, force, n_sms)
+        assert plan.long and plan.splits == 1
     batch = q.shape[0]
     sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(4)) if sinks else None
     slots = torch.arange(batch, dtype=torch.int32)

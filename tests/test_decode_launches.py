@@ -142,30 +142,47 @@ def no_allocation(rec: _Recorder | None = None):
 SPECS = [(37, 96, 150), (64, 64, 70), (0, 0, 0), (13, 32, 33), (40, 128, 140)]
 
 
-def _batch(hkv, g, d, bs, ps, dtype, layout="token", kt_dtype=tk.AUTO, seed=0, force=False):
+def _batch(
+    hkv,
+    g,
+    d,
+    bs,
+    ps,
+    dtype,
+    layout="token",
+    kt_dtype=tk.AUTO,
+    seed=0,
+    force=False,
+    specs=SPECS,
+    topk_pages=(4, 2, 1, 100, 3),
+    topr=None,
+):
     """(cache, clean copy for the oracle, query, hsa_decode args after the
-    caches, max_pages, max_select): each row's new token stored."""
+    caches, max_pages, max_select): each row's new token stored. Rows:
+    ``specs`` (num_compact, tail_start, seq_len), each selecting
+    ``topk_pages`` pages with ``topr`` channels (default d, 16, 16, 7, d/2)."""
     c, rows = tk._decode_batch(
-        hkv, d, bs, ps, dtype, SPECS, seed=seed, poison=False, layout=layout, kt_dtype=kt_dtype
+        hkv, d, bs, ps, dtype, specs, seed=seed, poison=False, layout=layout, kt_dtype=kt_dtype
     )
     gen = torch.Generator().manual_seed(seed + 1)
-    seqs = [s[2] + 1 if s[2] else 0 for s in SPECS]
-    for b, (_nc, _ts, seq) in enumerate(SPECS):
+    seqs = [s[2] + 1 if s[2] else 0 for s in specs]
+    for b, (_nc, _ts, seq) in enumerate(specs):
         if seq:
             c.fill(rows[b], seq, seq + 1, gen)
-    topk = [4 * ps, 2 * ps, ps, 100 * ps, 3 * ps]
-    topr = [d, 16, 16, 7, d // 2]
-    q = tk._queries_without_channel_ties(len(SPECS), hkv, g, d, dtype, topr, gen)
+    topk = [k * ps for k in topk_pages]
+    topr = list(topr or [d, 16, 16, 7, d // 2])
+    q = tk._queries_without_channel_ties(len(specs), hkv, g, d, dtype, topr, gen)
     args = (
         tk._table(rows),
-        *(tk._ints([s[i] for s in SPECS]) for i in (0, 1)),
+        *(tk._ints([s[i] for s in specs]) for i in (0, 1)),
         tk._ints(seqs),
         tk._ints(topk),
         tk._ints(topr),
         ps,
         d**-0.5,
     )
-    max_pages = 40 * 64 // ps  # a FULL graph's: far above every row's
+    # a FULL graph's: far above every row's
+    max_pages = max(40 * 64 // ps, 2 * max(s[2] for s in specs) // ps)
     max_select = max(max(k // ps, 1) for k in topk)
     return c, q, args, max_pages, max_select
 
