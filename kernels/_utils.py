@@ -97,6 +97,35 @@ def num_sms(device: torch.device) -> int:
     return 2
 
 
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def uses_pdl(device: torch.device) -> bool:
+    """Launch Stage 2's decode kernels with programmatic dependent launch:
+    on compute capability 9.0 and later, the next kernel's programs start
+    while this one's last programs drain, and every program waits for the
+    kernels before it first (``grid_dependency``). ``ROCKETKV_PDL=0`` turns
+    it off (for timing with and without)."""
+    if device.type != "cuda" or interpreting() or os.environ.get("ROCKETKV_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)[0] >= 9
+
+
+@triton.jit
+def grid_dependency(PDL: tl.constexpr):
+    """First thing in every program of a kernel launched with PDL: wait until
+    the kernels before it in the stream have finished and their writes are
+    visible (every program waits, also one with nothing to do: the next
+    kernel's wait on this one must cover those before it), then let the next
+    kernel's programs launch (they wait the same way)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def group_pad(group: int) -> int:
     """GQA group padded to a power of two and to tl.dot's minimum M of 16."""
     return max(16, next_pow2(group))

@@ -83,6 +83,7 @@ from rocketkv_vllm.kernels._utils import (
     cdiv,
     check_kv_cache,
     dot_upcast,
+    grid_dependency,
     group_pad,
     head_pad,
     kv_operand,
@@ -90,6 +91,7 @@ from rocketkv_vllm.kernels._utils import (
     next_pow2,
     num_sms,
     row_vectors,
+    uses_pdl,
 )
 from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, load_kt_fp8_bounds
 from rocketkv_vllm.kernels.kt_update import refresh_kt_row
@@ -204,7 +206,9 @@ def _score_kernel(
     FP8: tl.constexpr,
     UPDATE_KT: tl.constexpr,
     REUSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
@@ -583,6 +587,7 @@ def _select_kernel(
     WRITE_PROBS: tl.constexpr,
     SELECT: tl.constexpr,
     REUSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Split (bh, split): its pages' probabilities (from the logits, or
     read: FROM_PROBS), its local top-n_use as candidates; the row's last
@@ -594,6 +599,7 @@ def _select_kernel(
     its slot's n_use pages into sel, its other splits do nothing (no
     candidates, no counter); another row with a slot gets its merged pages
     stored there."""
+    grid_dependency(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
@@ -884,6 +890,7 @@ def launch_score(
     if not reuse_on:  # not read
         sel_slot = reuse = topr
     half = _half_type(kt_cache)
+    pdl = uses_pdl(query.device)
     # 4 warps up to d 128: more programs resident per SM than with 8 (sm_90,
     # d 128: 3 against 2 with Triton 3.9, 2 against 1 with 3.6, no spill);
     # 8 past it, where 4 spill (compile_kernels.py's register counts)
@@ -928,6 +935,8 @@ def launch_score(
         FP8=fp8,
         UPDATE_KT=update,
         REUSE=reuse_on,
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=4 if head_pad(d) <= 128 else 8,
     )
 
@@ -974,6 +983,7 @@ def launch_select(
     else:  # not read
         selections = sel_slot = reuse = scratch.sel
         store_width = 0
+    pdl = uses_pdl(scratch.logits.device)
     _select_kernel[plan.grid](
         scratch.logits,
         scratch.part_m,
@@ -1014,6 +1024,8 @@ def launch_select(
         WRITE_PROBS=write_probs,
         SELECT=select,
         REUSE=reuse_on,
+        PDL=pdl,
+        launch_pdl=pdl,
         # 8 warps: shorter per-thread runs in the scans and radix counts (and
         # with 4, ptxas-blackwell spilled a few bytes of one sm_100 variant)
         num_warps=8,

@@ -48,6 +48,7 @@ from rocketkv_vllm.kernels._utils import (
     cdiv,
     check_kv_cache,
     dot_upcast,
+    grid_dependency,
     group_pad,
     head_pad,
     kv_operand,
@@ -56,6 +57,7 @@ from rocketkv_vllm.kernels._utils import (
     next_pow2,
     num_sms,
     row_vectors,
+    uses_pdl,
 )
 from rocketkv_vllm.kernels.hsa_score import _n_use, _view_pages
 
@@ -298,7 +300,9 @@ def _sparse_decode_kernel(
     DIRECT: tl.constexpr,
     SINKS: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    grid_dependency(PDL)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // num_kv_heads
@@ -589,6 +593,7 @@ def sparse_decode(
     if scratch is None:
         scratch = AttentionScratch.alloc(plan, group * hkv, d, query.device)
     g2 = max(2, next_pow2(group))
+    pdl = uses_pdl(query.device)
     _sparse_decode_kernel[plan.grid](
         query,
         k_cache,
@@ -631,6 +636,8 @@ def sparse_decode(
         DIRECT=direct,
         SINKS=sinks is not None,
         FP8=fp8,
+        PDL=pdl,
+        launch_pdl=pdl,
         **launch_options(dtype),
     )
     return out

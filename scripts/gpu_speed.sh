@@ -9,7 +9,8 @@
 #                                     1/8/32: FLASH_ATTN, ROCKETKV's 3-launch decode and the
 #                                     six-launch one before it (rocketkv_legacy) in one process
 #                                     (GPU_SPEED_METHODS: add rocketkv_reuse for a step whose
-#                                     rows reuse their selection, reselect_every)
+#                                     rows reuse their selection, reselect_every, and
+#                                     rocketkv_nopdl for the decode with PDL off)
 #   e2e      GPU_SPEED_E2E_S=200      bench_e2e, a Llama-3.1-8B-shaped model from its config.json
 #                                     with random weights, FLASH_ATTN vs preset=trtllm, workloads
 #                                     32k x 1, 32k x 8 on one engine per method

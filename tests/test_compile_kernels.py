@@ -238,6 +238,38 @@ def test_decode_kernels_keep_three_programs_resident_per_sm(compiled):
     assert min(rows.values()) >= 3, rows
 
 
+def _assert_pdl_where_the_target_has_it(records):
+    """Stage 2's decode kernels are launched with PDL from sm_90 on, and their
+    PTX waits for the kernels before them (griddepcontrol.wait) before its
+    first global memory access; nothing else uses PDL, and below sm_90 no
+    kernel waits or launches with it."""
+    for r in records:
+        where = f"{r['target']} {r['config']} {r['kernel']} ({r['launcher']})"
+        on = r["kernel"] in DECODE and r["target"] != "sm_80"
+        assert r["pdl"] == on, where
+        assert r["grid_wait_first"] is (True if on else None), where
+
+
+def test_decode_kernels_wait_for_the_kernels_before_them(compiled, compiled_reuse):
+    _, doc = compiled
+    _assert_pdl_where_the_target_has_it(doc["records"])
+    _assert_pdl_where_the_target_has_it(compiled_reuse["records"])
+    on = {(r["target"], r["kernel"]) for r in doc["records"] if r["pdl"]}
+    assert on == {("sm_90", k) for k in DECODE}, sorted(on)
+
+
+def test_grid_wait_first_reads_the_ptx():
+    """The check the test above relies on, on PTX fragments."""
+    from rocketkv_eval.compile_kernels import grid_wait_first
+
+    head = "ld.param.u64 %rd1, [k_param_0];\n\tmov.u32 %r1, %ctaid.x;\n"
+    assert grid_wait_first(head + "griddepcontrol.wait;\nld.global.b32 %r2, [%rd1];") is True
+    assert grid_wait_first(head + "@%p1 ld.global.b32 %r2, [%rd1];\ngriddepcontrol.wait;") is False
+    assert grid_wait_first(head + "st.shared.b32 [%r3], %r1;\ngriddepcontrol.wait;") is True
+    assert grid_wait_first(head + "atom.global.gpu.acq_rel.add.u32 %r2, [%rd1], 1;") is None
+    assert grid_wait_first(head + "ld.global.b32 %r2, [%rd1]; // griddepcontrol.wait") is None
+
+
 def test_no_register_spills_in_16_bit_configurations(compiled):
     _, doc = compiled
     spilled = [

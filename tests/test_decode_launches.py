@@ -271,6 +271,53 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
     assert bool((out[2] == 7.0).all()), "the padding row was written"
 
 
+def test_pdl_from_compute_capability_9_unless_turned_off(monkeypatch):
+    """Programmatic dependent launch on CUDA devices of compute capability
+    9.0 and later, never under the interpreter or on CPU, off with
+    ROCKETKV_PDL=0."""
+    from rocketkv_vllm.kernels import _utils
+
+    cuda = torch.device("cuda", 0)
+    capability = {"cc": (9, 0)}
+    monkeypatch.setattr(_utils, "_cuda_capability", lambda index: capability["cc"])
+    monkeypatch.delenv("ROCKETKV_PDL", raising=False)
+    assert not _utils.uses_pdl(cuda)  # the interpreter (set for this module)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not _utils.uses_pdl(torch.device("cpu"))
+    for cc, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        capability["cc"] = cc
+        assert _utils.uses_pdl(cuda) is want, cc
+    monkeypatch.setenv("ROCKETKV_PDL", "0")
+    assert not _utils.uses_pdl(cuda)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_three_decode_launches_carry_pdl_when_it_is_on(on):
+    """With uses_pdl on (as on an H100), each decode launch gets both its
+    kernel's PDL constexpr (the wait in every program) and the launch
+    attribute; with it off, neither. Launches recorded, not run (the
+    interpreter has no griddepcontrol)."""
+    hkv, g, d, bs, ps = 2, 4, 64, 16, 4
+    c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, tk.BF16)
+    seen = []
+
+    def getitem(self, grid):
+        name = getattr(getattr(self, "fn", self), "__name__", repr(self))
+        return lambda *a, **kw: seen.append((name, kw.get("PDL"), kw.get("launch_pdl")))
+
+    with (
+        mock.patch.object(KernelInterface, "__getitem__", getitem),
+        mock.patch.object(hsa_score, "uses_pdl", lambda device: on),
+        mock.patch.object(sparse_decode, "uses_pdl", lambda device: on),
+    ):
+        triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, max_pages, max_select, False)
+    assert seen == [
+        ("_score_kernel", on, on),
+        ("_select_kernel", on, on),
+        ("_sparse_decode_kernel", on, on),
+    ]
+
+
 def test_reported_grids_are_the_launched_ones():
     hkv, g, d, bs, ps = 2, 4, 64, 16, 4
     c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, tk.BF16)

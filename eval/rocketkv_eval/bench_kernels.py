@@ -38,6 +38,10 @@ holds ``context`` prompt tokens plus ``--generated`` generated ones (seq_len
 * ``rocketkv_legacy``   -- the six-launch decode before issue 38
   (``rocketkv_eval.legacy_stage2``), same rows: before / after in one run
   (not in the default ``--methods``).
+* ``rocketkv_nopdl``    -- ``rocketkv`` with its launches' programmatic
+  dependent launch off (``ROCKETKV_PDL=0``; on by default from compute
+  capability 9.0): what PDL saves, in one run (not in the default
+  ``--methods``; on older GPUs the same launches as ``rocketkv``).
 * ``rocketkv_reuse``    -- ``rocketkv`` on a step where every row reuses
   the selection a first call stored (``rocketkv.reselect_every``): the KT
   update and the sparse attention, no scoring; with reselect_every R a
@@ -93,6 +97,7 @@ import statistics
 import sys
 import time
 import types
+from unittest import mock
 
 # The interpreter is chosen when triton is imported: --smoke on the command
 # line (scripts/bench_kernels.py) sets it here; a caller of main(["--smoke"])
@@ -125,7 +130,7 @@ DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")
 # launches on the backend's workspace); rocketkv_legacy: the six-launch
 # decode before issue 38 (legacy_stage2), for before / after in one run;
 # rocketkv_reuse: a step whose rows all reuse a stored selection
-ROCKET_METHODS = ("rocketkv", "rocketkv_legacy", "rocketkv_reuse")
+ROCKET_METHODS = ("rocketkv", "rocketkv_nopdl", "rocketkv_legacy", "rocketkv_reuse")
 METHODS = DENSE_METHODS + ROCKET_METHODS
 DEFAULT_CONTEXTS = "4096,8192,16384,32768,131072"
 
@@ -616,7 +621,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
         for la in dplan.launches(view_pages, n_sel)
     ]
     ws = None
-    if method == "rocketkv":
+    if method in ("rocketkv", "rocketkv_nopdl"):
         ws = triton_ops.DecodeWorkspace(dev, batch, hq, hkv, d, max_pages, max_select, force)
 
         def call():
@@ -656,7 +661,9 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
             legacy_stage2.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out)
 
     refresh = q.normal_
-    row = timer.measure(call, refresh)
+    pdl_env = {"ROCKETKV_PDL": "0"} if method == "rocketkv_nopdl" else {}
+    with mock.patch.dict(os.environ, pdl_env):  # read at each launch and capture
+        row = timer.measure(call, refresh)
     if not a.no_components and method == "rocketkv":
         score, attn = ws.views(dplan)
         row.update(

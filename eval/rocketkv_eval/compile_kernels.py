@@ -284,6 +284,31 @@ def ptxas_report(ptx: str, capability: int, fp_fusion: bool) -> dict:
     return out
 
 
+_MEMORY_SPACES_BEFORE_WAIT = ("param", "shared", "local", "const")
+
+
+def grid_wait_first(ptx: str) -> bool | None:
+    """Whether the PTX's ``griddepcontrol.wait`` comes before its first
+    global memory access (load, store, atomic; parameters, shared and local
+    memory excepted), so a PDL launch touches nothing of the kernels before
+    it until they are done. None: no wait in the kernel."""
+    wait = access = None
+    for n, line in enumerate(ptx.splitlines()):
+        code = line.split("//")[0].strip()
+        if code.startswith("@"):  # a predicate
+            code = code.split(None, 1)[1] if " " in code else ""
+        op = code.split(None, 1)[0] if code else ""
+        parts = op.split(".")
+        if op.startswith("griddepcontrol.wait") and wait is None:
+            wait = n
+        elif parts[0] in ("ld", "st", "atom", "red", "cp", "prefetch") and len(parts) > 1:
+            if access is None and not parts[1].startswith(_MEMORY_SPACES_BEFORE_WAIT):
+                access = n
+    if wait is None:
+        return None
+    return access is None or wait < access
+
+
 def ptxas_version(capability: int) -> str:
     out = subprocess.run(
         [_ptxas_path(capability), "--version"], capture_output=True, text=True
@@ -521,6 +546,9 @@ def launch_config(
         mock.patch.object(hs, "num_sms", lambda device: target.sms),
         mock.patch.object(sd, "num_sms", lambda device: target.sms),
         mock.patch.object(dd, "num_sms", lambda device: target.sms),
+        # the decode's PDL launch where the target has it (as uses_pdl on a GPU)
+        mock.patch.object(hs, "uses_pdl", lambda device: target.capability >= 90),
+        mock.patch.object(sd, "uses_pdl", lambda device: target.capability >= 90),
     ):
         for name, call in calls.items():
             if call is None or (only and name not in only):
@@ -568,6 +596,7 @@ def compile_configs(
                             getattr(md, "enable_fp_fusion", True),
                         )
                         reports[key]["cubin_regs"] = cubin_registers(compiled.asm["cubin"], md.name)
+                        reports[key]["grid_wait_first"] = grid_wait_first(compiled.asm["ptx"])
                     rep = reports[key]
                     if "ptxas_error" in rep:
                         errors.append(
@@ -598,6 +627,8 @@ def compile_configs(
                             spill_loads=rep["spill_loads"],
                             stack=rep["stack"],
                             blocks_per_sm=blocks_per_sm(target, regs, md.num_warps, md.shared),
+                            pdl=bool(getattr(md, "launch_pdl", False)),
+                            grid_wait_first=rep["grid_wait_first"],
                             grid=grids.get(launch),
                             launched=launch in grids,
                         )

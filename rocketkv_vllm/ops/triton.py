@@ -46,7 +46,12 @@ cache as ``kt_cache`` (``layout.kt_cache_view``):
   each row instead of launches of their own. The counters live in the
   workspace and are reset by that program: CUDA-graph replays find them 0.
   No .item(), no data-dependent shapes: CUDA-graph capturable for fixed
-  (B, max_pages, max_select).
+  (B, max_pages, max_select). From compute capability 9.0 the three are
+  launched with programmatic dependent launch (``_utils.uses_pdl``;
+  ``ROCKETKV_PDL=0`` turns it off): each kernel's programs may start while
+  the kernel before it drains, and wait for it (griddepcontrol.wait) before
+  their first memory access, so a launch boundary costs less than a full
+  drain and ramp-up.
 * ``TritonStage1``, ``TritonStage2`` -- the stages the impl calls
   (``ops.base``'s interfaces): ``TritonStage2.decode`` takes ``HsaRows``
   whole and runs eager batches in row chunks of ``SCRATCH_BYTES``.
