@@ -1008,6 +1008,57 @@ def test_hsa_decode_batch_cuda_graph():
     torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
+def test_hsa_decode_with_pdl_changes_no_byte():
+    """Programmatic dependent launch (on by default from compute capability
+    9.0) against the same decode with it off (ROCKETKV_PDL=0): eager, and
+    replayed in a CUDA graph whose first node rewrites the queries the
+    scoring kernel reads at once (a kernel started early must wait for it),
+    with other queries before each replay."""
+    from rocketkv_vllm.kernels._utils import uses_pdl
+
+    if DEVICE.type != "cuda" or not uses_pdl(DEVICE):
+        skip("needs an NVIDIA GPU of compute capability 9.0 or later")
+    hkv, g, d, bs, ps, dtype = 2, 4, 128, 16, 4, BF16
+    specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33), (40, 128, 140)]
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=5)
+    args = (
+        _table(rows),
+        *(_ints([s[i] for s in specs]) for i in range(3)),
+        _ints([16] * len(specs)),
+        _ints([d] * len(specs)),
+        ps,
+        d**-0.5,
+        32768 // ps + 1,
+        8,
+        True,
+    )
+    queries = [torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype) for _ in range(4)]
+    with mock.patch.dict(os.environ, {"ROCKETKV_PDL": "0"}):
+        want = [triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args) for q in queries]
+    for q, w in zip(queries, want):
+        torch.testing.assert_close(
+            triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args), w, atol=0, rtol=0
+        )
+    q_in, q_buf = queries[0].clone(), torch.empty_like(queries[0])
+    out = torch.empty_like(q_buf)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside capture
+        q_buf.copy_(q_in)
+        triton_ops.hsa_decode(q_buf, c.k, c.v, c.kt, *args, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_buf.copy_(q_in)
+        triton_ops.hsa_decode(q_buf, c.k, c.v, c.kt, *args, out=out)
+    for replay in range(40):
+        i = replay % len(queries)
+        q_in.copy_(queries[i])
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want[i], atol=0, rtol=0, msg=f"replay {replay}")
+
+
 def test_hsa_decode_batch_cuda_graph_replays_new_rows():
     """The backend's FULL decode graph (decode_graphs): captured with every
     row inactive (seq_len 0) at launch shapes for a long max_model_len,
