@@ -90,12 +90,32 @@ def main(argv=None) -> int:
     for _ in range(5):
         engine.step()
     sync()
+    builds = []  # host time of ROCKETKV's metadata builder in the timed steps
+    if settings is not None:
+        from rocketkv_vllm.backend import metadata
+
+        build = metadata.RocketKVMetadataBuilder.build
+
+        def timed_build(self, *a, **k):
+            t = time.perf_counter()
+            try:
+                return build(self, *a, **k)
+            finally:
+                builds.append(time.perf_counter() - t)
+
+        metadata.RocketKVMetadataBuilder.build = timed_build
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync()
     ms = (time.perf_counter() - start) / args.steps * 1e3
     print(f"decode step: {ms:.1f} ms ({args.num_prompts} tokens per step)")
+    if settings is not None:
+        metadata.RocketKVMetadataBuilder.build = build
+        print(
+            f"metadata builder: {sum(builds) / args.steps * 1e3:.3f} ms of host time per step "
+            f"({len(builds) / args.steps:g} calls a step)"
+        )
     with torch.profiler.profile() as prof:
         for _ in range(args.profile_steps):
             engine.step()
