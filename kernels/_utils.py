@@ -108,7 +108,9 @@ def uses_pdl(device: torch.device) -> bool:
     while this one's last programs drain, and every program waits for the
     kernels before it first (``grid_dependency``). ``ROCKETKV_PDL=0`` turns
     it off (for timing with and without)."""
-    if device.type != "cuda" or interpreting() or os.environ.get("ROCKETKV_PDL", "1") == "0":
+    if device.type != "cuda" or torch.version.hip or interpreting():
+        return False  # (ROCm's devices are "cuda" too: no griddepcontrol there)
+    if os.environ.get("ROCKETKV_PDL", "1") == "0":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_capability(index)[0] >= 9

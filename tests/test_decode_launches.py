@@ -287,6 +287,9 @@ def test_pdl_from_compute_capability_9_unless_turned_off(monkeypatch):
     for cc, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
         capability["cc"] = cc
         assert _utils.uses_pdl(cuda) is want, cc
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: "cuda" devices, no PDL
+    assert not _utils.uses_pdl(cuda)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setenv("ROCKETKV_PDL", "0")
     assert not _utils.uses_pdl(cuda)
 
