@@ -76,7 +76,8 @@ XDIST=()
 "$PY" -c 'import xdist' 2> /dev/null && XDIST=(-n 8)
 if in_part 1; then
   step kernels "${GPU_CHECK_KERNELS_S:-100}" "$PY" -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
-    tests/test_kernels.py tests/test_triton_fp8.py tests/test_compile_kernels.py tests/test_warmup.py \
+    tests/test_kernels.py tests/test_triton_fp8.py tests/test_large_cache.py \
+    tests/test_compile_kernels.py tests/test_warmup.py \
     -m "not engine"
   step gpu-tests-1 "${GPU_CHECK_TESTS1_S:-220}" "$PY" -m pytest -v -s -rs -p no:cacheprovider \
     "tests/test_gpu.py::TestOnGPU" --junitxml="$OUT/gpu-tests-1.xml"
