@@ -205,13 +205,13 @@ def race_check():
                     (launch.time, addr, s in releases, s in acquires)
                 )
 
-    # (the cache arguments after the mask differ between Triton versions)
     def barrier():
         if running:
             launch = running[-1]
             launch.time += 1
             launch.barriers.setdefault(builder.grid_idx, []).append(launch.time)
 
+    # (the cache arguments after the mask differ between Triton versions)
     def masked_load(ptrs, mask, *rest):
         access(ptrs, mask, False)
         return load(ptrs, mask, *rest)
