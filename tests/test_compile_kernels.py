@@ -259,8 +259,12 @@ def test_decode_kernels_wait_for_the_kernels_before_them(compiled, compiled_reus
 
 
 def test_grid_wait_first_reads_the_ptx():
-    """The check the test above relies on, on PTX fragments."""
-    from rocketkv_eval.compile_kernels import grid_wait_first
+    """The check the test above relies on, on PTX fragments (from a module
+    that leaves TRITON_INTERPRET alone: ``compile_kernels`` drops it)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    from rocketkv_eval.ptx import grid_wait_first
+
+    assert os.environ.get("TRITON_INTERPRET") == before  # later interpreted tests need it
 
     head = "ld.param.u64 %rd1, [k_param_0];\n\tmov.u32 %r1, %ctaid.x;\n"
     assert grid_wait_first(head + "griddepcontrol.wait;\nld.global.b32 %r2, [%rd1];") is True

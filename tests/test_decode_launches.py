@@ -273,7 +273,7 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
 
 def test_pdl_from_compute_capability_9_unless_turned_off(monkeypatch):
     """Programmatic dependent launch on CUDA devices of compute capability
-    9.0 and later, never under the interpreter or on CPU, off with
+    9.0 and later, never under the interpreter, on CPU or on ROCm, off with
     ROCKETKV_PDL=0."""
     from rocketkv_vllm.kernels import _utils
 

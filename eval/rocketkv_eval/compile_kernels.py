@@ -61,6 +61,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
+from rocketkv_eval.ptx import grid_wait_first  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: eval/rocketkv_eval/ -> ../..
 DEFAULT_JSON = ROOT / "results" / "kernels-compile.json"
 
@@ -282,31 +284,6 @@ def ptxas_report(ptx: str, capability: int, fp_fusion: bool) -> dict:
         m = pattern.search(log)
         out[key] = int(m.group(1)) if m else 0
     return out
-
-
-_MEMORY_SPACES_BEFORE_WAIT = ("param", "shared", "local", "const")
-
-
-def grid_wait_first(ptx: str) -> bool | None:
-    """Whether the PTX's ``griddepcontrol.wait`` comes before its first
-    global memory access (load, store, atomic; parameters, shared and local
-    memory excepted), so a PDL launch touches nothing of the kernels before
-    it until they are done. None: no wait in the kernel."""
-    wait = access = None
-    for n, line in enumerate(ptx.splitlines()):
-        code = line.split("//")[0].strip()
-        if code.startswith("@"):  # a predicate
-            code = code.split(None, 1)[1] if " " in code else ""
-        op = code.split(None, 1)[0] if code else ""
-        parts = op.split(".")
-        if op.startswith("griddepcontrol.wait") and wait is None:
-            wait = n
-        elif parts[0] in ("ld", "st", "atom", "red", "cp", "prefetch") and len(parts) > 1:
-            if access is None and not parts[1].startswith(_MEMORY_SPACES_BEFORE_WAIT):
-                access = n
-    if wait is None:
-        return None
-    return access is None or wait < access
 
 
 def ptxas_version(capability: int) -> str:
