@@ -102,6 +102,12 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def pdl_capable(major: int) -> bool:
+    """Whether GPUs of this compute capability major have programmatic
+    dependent launch (griddepcontrol: Hopper, sm_90, and later)."""
+    return major >= 9
+
+
 def uses_pdl(device: torch.device) -> bool:
     """Launch Stage 2's decode kernels with programmatic dependent launch:
     on compute capability 9.0 and later, the next kernel's programs start
@@ -113,7 +119,7 @@ def uses_pdl(device: torch.device) -> bool:
     if os.environ.get("ROCKETKV_PDL", "1") == "0":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index)[0] >= 9
+    return pdl_capable(_cuda_capability(index)[0])
 
 
 @triton.jit

@@ -448,6 +448,8 @@ def launch_config(
     d, ps, scale = cfg.d, cfg.ps, cfg.d**-0.5
     ws, cp, ku = mods["window_scores"], mods["compact"], mods["kt_update"]
     hs, sd, dd, ops = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"], mods["ops"]
+    from rocketkv_vllm.kernels._utils import pdl_capable  # this checkout's (import_kernels)
+
     graph = cfg.layout == "graph"
     batch = GRAPH_ROWS if graph else EAGER_ROWS
     if graph:  # backend.graphs.shape_for: fixed by max_model_len and the budget
@@ -523,9 +525,9 @@ def launch_config(
         mock.patch.object(hs, "num_sms", lambda device: target.sms),
         mock.patch.object(sd, "num_sms", lambda device: target.sms),
         mock.patch.object(dd, "num_sms", lambda device: target.sms),
-        # the decode's PDL launch where the target has it (as uses_pdl on a GPU)
-        mock.patch.object(hs, "uses_pdl", lambda device: target.capability >= 90),
-        mock.patch.object(sd, "uses_pdl", lambda device: target.capability >= 90),
+        # the decode's PDL launch where the target has it (uses_pdl's rule)
+        mock.patch.object(hs, "uses_pdl", lambda device: pdl_capable(target.capability // 10)),
+        mock.patch.object(sd, "uses_pdl", lambda device: pdl_capable(target.capability // 10)),
     ):
         for name, call in calls.items():
             if call is None or (only and name not in only):
