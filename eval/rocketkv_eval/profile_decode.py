@@ -13,9 +13,11 @@ bench_e2e.py). Results of a run: results/profile-cpu-decode.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from unittest import mock
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # profile in-process
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -91,10 +93,11 @@ def main(argv=None) -> int:
         engine.step()
     sync()
     builds = []  # host time of ROCKETKV's metadata builder in the timed steps
+    timing = contextlib.nullcontext()
     if settings is not None:
-        from rocketkv_vllm.backend import metadata
+        from rocketkv_vllm.backend.metadata import RocketKVMetadataBuilder
 
-        build = metadata.RocketKVMetadataBuilder.build
+        build = RocketKVMetadataBuilder.build
 
         def timed_build(self, *a, **k):
             t = time.perf_counter()
@@ -103,15 +106,15 @@ def main(argv=None) -> int:
             finally:
                 builds.append(time.perf_counter() - t)
 
-        metadata.RocketKVMetadataBuilder.build = timed_build
+        timing = mock.patch.object(RocketKVMetadataBuilder, "build", timed_build)
     start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync()
+    with timing:
+        for _ in range(args.steps):
+            engine.step()
+        sync()
     ms = (time.perf_counter() - start) / args.steps * 1e3
     print(f"decode step: {ms:.1f} ms ({args.num_prompts} tokens per step)")
-    if settings is not None:
-        metadata.RocketKVMetadataBuilder.build = build
+    if builds:
         print(
             f"metadata builder: {sum(builds) / args.steps * 1e3:.3f} ms of host time per step "
             f"({len(builds) / args.steps:g} calls a step)"
