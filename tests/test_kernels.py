@@ -1011,9 +1011,10 @@ def test_hsa_decode_batch_cuda_graph():
 def test_hsa_decode_with_pdl_changes_no_byte():
     """Programmatic dependent launch (on by default from compute capability
     9.0) against the same decode with it off (ROCKETKV_PDL=0): eager, and
-    replayed in a CUDA graph whose first node rewrites the queries the
-    scoring kernel reads at once (a kernel started early must wait for it),
-    with other queries before each replay."""
+    replayed in a CUDA graph whose first node, an elementwise kernel (PDL
+    relaxes kernel-to-kernel edges; a memcpy node would not test it),
+    rewrites the queries the scoring kernel reads at once (a kernel started
+    early must wait for it), with other queries before each replay."""
     from rocketkv_vllm.kernels._utils import uses_pdl
 
     if DEVICE.type != "cuda" or not uses_pdl(DEVICE):
@@ -1044,12 +1045,12 @@ def test_hsa_decode_with_pdl_changes_no_byte():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compiles) outside capture
-        q_buf.copy_(q_in)
+        torch.mul(q_in, 1, out=q_buf)
         triton_ops.hsa_decode(q_buf, c.k, c.v, c.kt, *args, out=out)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q_buf.copy_(q_in)
+        torch.mul(q_in, 1, out=q_buf)  # a kernel, exact (x 1 keeps every bit)
         triton_ops.hsa_decode(q_buf, c.k, c.v, c.kt, *args, out=out)
     for replay in range(40):
         i = replay % len(queries)
