@@ -88,6 +88,8 @@ def configure_engine(vllm_config) -> None:
     parallel = vllm_config.parallel_config
     if getattr(parallel, "decode_context_parallel_size", 1) > 1:
         refusals.append("decode context parallelism")
+    if current_platform.is_cpu() and parallel.pipeline_parallel_size > 1:
+        refusals += cpu_pipeline_refusals(vllm_config)
     if refusals:
         raise ValueError("ROCKETKV attention backend does not support: " + "; ".join(refusals))
 
@@ -138,6 +140,27 @@ def configure_engine(vllm_config) -> None:
             example.topk,
             example.topr,
         )
+
+
+def cpu_pipeline_refusals(vllm_config) -> list[str]:
+    """vLLM 0.32's CPU worker sets up a later pipeline rank's inputs only in
+    its warm-up, which it skips in eager mode (and under VLLM_CPU_CI_ENV):
+    the engine then dies at its first request, with every backend."""
+    from vllm import envs
+    from vllm.config import CompilationMode
+
+    if vllm_config.compilation_config.mode == CompilationMode.NONE:
+        why = "eager mode (--enforce-eager or compilation mode 0)"
+    elif envs.VLLM_CPU_CI_ENV:
+        why = "VLLM_CPU_CI_ENV=1"
+    else:
+        return []
+    return [
+        f"pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size} "
+        f"with {why} on vLLM's CPU build (its CPU worker then skips the warm-up "
+        "that prepares the later ranks' inputs and fails at the first request, "
+        "with any backend); use torch.compile, e.g. -cc.mode=1 -cc.backend=eager"
+    ]
 
 
 def warn_test_switches(vllm_config, settings: RocketKVSettings) -> None:

@@ -1,9 +1,17 @@
-"""Tensor parallelism on vLLM's CPU build: KV heads split across ranks.
+"""Tensor and pipeline parallelism on vLLM's CPU build, against one process.
 
-SmolLM2-135M has 9 query and 3 KV heads, so the sizes that divide both are 1
-and 3; with TP 3 each rank holds one KV head (and its KT pages) and runs
-Stage 1 and Stage 2 on it alone. Three CPU workers on a 2-core machine need
-an explicit thread binding (vLLM's automatic one wants a NUMA node per rank).
+SmolLM2-135M has 9 query and 3 KV heads, so the tensor-parallel sizes that
+divide both are 1 and 3; with TP 3 each rank holds one KV head (and its KT
+pages) and runs Stage 1 and Stage 2 on it alone. With PP 2 each rank holds
+half the layers and compresses them; the scheduler keeps two batches in
+flight, so it hands a compressed request's given-back blocks to another
+request while the first request's step still runs on the second rank.
+Several CPU workers on a 2-core machine need an explicit thread binding
+(vLLM's automatic one wants a NUMA node per rank).
+
+Every engine runs the same requests in a cache of about 52 blocks per
+layer, less than the four prompts' dense ~33 each: later prompts wait for
+the blocks earlier ones give back, which are poisoned before they go back.
 """
 
 import pytest
@@ -16,39 +24,89 @@ from rocketkv_vllm.plan import plan_request
 pytestmark = pytest.mark.engine
 
 ROCKETKV = {"token_budget": 128, "max_new_tokens": 16}
+MAX_MODEL_LEN = 1100
+# SmolLM2: 30 layers, 3 KV heads, head dim 64, fp32, KT pages at page 4:
+# 61,440 bytes per block and layer, so 52 blocks of 30 layers (one process),
+# of 15 layers (a PP 2 rank) or of 30 layers with one KV head (a TP 3 rank).
+BLOCK_LAYER_BYTES = 61_440
+BLOCKS = 52
 
 
-def test_tensor_parallel_3_matches_one_process(model_path, tokenizer, monkeypatch):
-    from vllm.inputs import TokensPrompt
+def engine_kw(**kw):
+    rank_share = kw.get("pipeline_parallel_size", 1) * kw.get("tensor_parallel_size", 1)
+    return dict(
+        max_model_len=MAX_MODEL_LEN,
+        dtype="float32",  # bf16 has no native kernels on AVX2-only CI machines
+        kv_cache_memory_bytes=BLOCKS * 30 * BLOCK_LAYER_BYTES // rank_share,  # per rank
+        max_num_batched_tokens=512,  # prompts in chunks, batches of mixed steps
+        **kw,
+    )
 
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
     from rocketkv_eval import tasks as eval_tasks
 
-    samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
-    prompts = [TokensPrompt(prompt_token_ids=s.token_ids) for s in samples]
-    head_dim = 64  # SmolLM2-135M
-    settings = resolve_settings(parse_config(ROCKETKV), DEFAULT_CPU_BLOCK_SIZE, head_dim, 1100)
-    assert all(plan_request(settings, len(s.token_ids)).compress for s in samples)
+    samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 4)
+    settings = resolve_settings(parse_config(ROCKETKV), DEFAULT_CPU_BLOCK_SIZE, 64, MAX_MODEL_LEN)
+    plans = [plan_request(settings, len(s.token_ids)) for s in samples]
+    assert all(p.compress for p in plans)
+    # Dense, the four prompts need more blocks than the cache has.
+    assert sum(-(-len(s.token_ids) // DEFAULT_CPU_BLOCK_SIZE) for s in samples) > 2 * BLOCKS
+    return samples
 
-    outputs = {}
-    for tp in (1, 3):
-        if tp > 1:
-            monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
-        llm = make_llm(
-            model_path,
-            "ROCKETKV",
-            ROCKETKV,
-            tensor_parallel_size=tp,
-            max_model_len=1100,
-            dtype="float32",  # bf16 has no native kernels on AVX2-only CI machines
-            kv_cache_memory_bytes=1 << 29,
-            spawn=tp > 1,  # vLLM's own worker processes, one per rank
-        )
-        try:
-            outputs[tp] = greedy(llm, prompts, max_tokens=16)
-        finally:
-            shutdown(llm)
-    ids1, text1 = outputs[1]
-    ids3, _ = outputs[3]
-    assert [list(t) for t in ids3] == [list(t) for t in ids1]
-    # The needle is found, so the equality is not between two broken runs.
-    assert any(eval_tasks.score(t, s.references) == 100.0 for t, s in zip(text1, samples))
+
+def run(model_path, samples, **kw):
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(
+        model_path,
+        "ROCKETKV",
+        ROCKETKV,
+        testing={"poison_evicted_blocks": True},
+        **engine_kw(**kw),
+    )
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=s.token_ids) for s in samples]
+        return greedy(llm, prompts, max_tokens=16)
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def one_process(model_path, samples):
+    """The reference: one in-process worker (eager)."""
+    ids, text = run(model_path, samples, enforce_eager=True)
+    from rocketkv_eval import tasks as eval_tasks
+
+    # The needle is found, so an equality is not between two broken runs.
+    assert any(eval_tasks.score(t, s.references) == 100.0 for t, s in zip(text, samples))
+    return [list(t) for t in ids]
+
+
+def test_tensor_parallel_3_matches_one_process(model_path, samples, one_process, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
+    ids, _ = run(
+        model_path,
+        samples,
+        enforce_eager=True,
+        tensor_parallel_size=3,
+        spawn=True,  # vLLM's own worker processes, one per rank
+    )
+    assert [list(t) for t in ids] == one_process
+
+
+def test_pipeline_parallel_2_matches_one_process(model_path, samples, one_process, monkeypatch):
+    """vLLM 0.32's CPU runner needs its warm-up for PP (every backend: eager
+    fails on the second rank), so this engine traces the model with
+    torch.compile's eager backend: the same operations as the reference."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    ids, _ = run(
+        model_path,
+        samples,
+        pipeline_parallel_size=2,
+        enforce_eager=False,
+        compilation_config={"mode": 1, "backend": "eager"},
+        spawn=True,
+    )
+    assert [list(t) for t in ids] == one_process

@@ -86,14 +86,9 @@ def test_vllm_backend_validation_runs_on_cpu_and_names_rocketkv(bad, reason):
 def _engine_config(model_path, **kw):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(
-        model=model_path,
-        attention_backend="ROCKETKV",
-        dtype="float32",
-        max_model_len=4096,
-        enforce_eager=True,
-        **kw,
-    ).create_engine_config()
+    args = dict(dtype="float32", max_model_len=4096, enforce_eager=True)
+    args.update(kw)
+    return EngineArgs(model=model_path, attention_backend="ROCKETKV", **args).create_engine_config()
 
 
 def test_requests_rocketkv_cannot_serve_are_refused_per_request(model_path):
@@ -154,6 +149,24 @@ def test_kv_offloading_is_served_by_the_host_tier_only(model_path):
         "kv_connector_extra_config": {"lazy_offload": True},
     }
     assert "lazy_offload" in refused(kv_transfer_config=lazy)
+
+
+def test_pipeline_parallel_in_eager_mode_is_refused_on_cpu(model_path, monkeypatch):
+    """vLLM 0.32's CPU worker fails a later pipeline rank's first request in
+    eager mode (any backend): refused at startup, naming the fix; the traced
+    engine tests/test_parallel.py runs is accepted."""
+    register()
+    monkeypatch.delenv("VLLM_CPU_CI_ENV", raising=False)
+    with pytest.raises(Exception) as err:
+        _engine_config(model_path, pipeline_parallel_size=2)
+    assert "ROCKETKV" in str(err.value)
+    assert "pipeline_parallel_size=2 with eager mode" in str(err.value)
+    assert "-cc.mode=1" in str(err.value)
+    traced = dict(enforce_eager=False, compilation_config={"mode": 1, "backend": "eager"})
+    assert _engine_config(model_path, pipeline_parallel_size=2, **traced)
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+    with pytest.raises(Exception, match="VLLM_CPU_CI_ENV=1"):
+        _engine_config(model_path, pipeline_parallel_size=2, **traced)
 
 
 def _config_only_model(tmp_path, config) -> str:
