@@ -353,3 +353,50 @@ def test_selection_reuse_follows_each_request_through_a_mixed_batch(model_path, 
         for n in (len(o.prompt_token_ids) for o in alone)
     )
     assert alone_reused == want
+
+
+def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
+    """``enable_prompt_embeds``: a prompt given as its embeddings is planned,
+    compressed and decoded as the same prompt given as token ids (prefix
+    caching on: the ids' blocks are cached first, and an embeddings prompt
+    hashes apart; given-back blocks poisoned)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from rocketkv_eval import tasks as eval_tasks
+    from rocketkv_vllm.config import parse_config, resolve_settings
+    from rocketkv_vllm.plan import plan_request
+
+    cfg = {"token_budget": 128, "max_new_tokens": 16}
+    samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
+    settings = resolve_settings(parse_config(cfg), 32, 64, 2048)
+    assert all(plan_request(settings, len(s.token_ids)).compress for s in samples)
+    embed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    embed = embed.get_input_embeddings()
+    with torch.no_grad():
+        as_embeds = [{"prompt_embeds": embed(torch.tensor(s.token_ids))} for s in samples]
+    as_ids = [{"prompt_token_ids": s.token_ids} for s in samples]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
+
+    def results(outs):
+        return [
+            (list(o.token_ids), [s[t].logprob for s, t in zip(o.logprobs, o.token_ids)])
+            for o in (out.outputs[0] for out in outs)
+        ]
+
+    llm = make_llm(
+        model_path,
+        "ROCKETKV",
+        cfg,
+        testing={"poison_evicted_blocks": True},
+        enable_prompt_embeds=True,
+        max_model_len=2048,
+    )
+    want = results(llm.generate(as_ids, params, use_tqdm=False))
+    got = results(llm.generate(as_embeds, params, use_tqdm=False))
+    shutdown(llm)
+    for (ids, logprobs), (want_ids, want_logprobs) in zip(got, want):
+        assert ids == want_ids and logprobs == pytest.approx(want_logprobs, abs=1e-4)
+    found = [eval_tasks.score(tokenizer.decode(i), s.references) for (i, _), s in zip(got, samples)]
+    assert max(found) == 100.0
