@@ -400,3 +400,30 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
         assert ids == want_ids and logprobs == pytest.approx(want_logprobs, abs=1e-4)
     found = [eval_tasks.score(tokenizer.decode(i), s.references) for (i, _), s in zip(got, samples)]
     assert max(found) == 100.0
+
+
+def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
+    """``runner="pooling"``: nothing decodes, and each layer compacts only
+    after its attention over the whole prompt, so a compressed prompt's
+    embedding is CPU_ATTN's."""
+    import torch
+
+    from rocketkv_eval import tasks as eval_tasks
+    from rocketkv_vllm.state import worker_state
+
+    prompts = [
+        {"prompt_token_ids": s.token_ids}
+        for s in eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
+    ]
+    embeddings = {}
+    for backend, cfg in (("CPU_ATTN", None), ("ROCKETKV", {"token_budget": 128})):
+        llm = make_llm(
+            model_path, backend, cfg, runner="pooling", max_model_len=2048, block_size=32
+        )
+        outs = llm.embed(prompts, use_tqdm=False)
+        embeddings[backend] = torch.tensor([o.outputs.embedding for o in outs])
+        if cfg is not None:  # Stage 1 ran on both prompts
+            counters = worker_state(llm.llm_engine.vllm_config).counters
+            assert counters.prompts_compressed == len(prompts)
+        shutdown(llm)
+    torch.testing.assert_close(embeddings["ROCKETKV"], embeddings["CPU_ATTN"], atol=1e-5, rtol=1e-5)
