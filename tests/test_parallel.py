@@ -3,9 +3,9 @@
 SmolLM2-135M has 9 query and 3 KV heads, so the tensor-parallel sizes that
 divide both are 1 and 3; with TP 3 each rank holds one KV head (and its KT
 pages) and runs Stage 1 and Stage 2 on it alone. With PP 2 each rank holds
-half the layers and compresses them; the scheduler keeps two batches in
-flight, so it hands a compressed request's given-back blocks to another
-request while the first request's step still runs on the second rank.
+half the layers and compresses them, and the scheduler keeps two batches
+in flight: a later step runs on the first rank while an earlier one, maybe
+a compacting one, still runs on the second.
 Several CPU workers on a 2-core machine need an explicit thread binding
 (vLLM's automatic one wants a NUMA node per rank).
 
