@@ -1,4 +1,5 @@
-"""Tensor and pipeline parallelism on vLLM's CPU build, against one process.
+"""Tensor, pipeline and data parallelism on vLLM's CPU build, against one
+process.
 
 SmolLM2-135M has 9 query and 3 KV heads, so the tensor-parallel sizes that
 divide both are 1 and 3; with TP 3 each rank holds one KV head (and its KT
@@ -6,6 +7,7 @@ pages) and runs Stage 1 and Stage 2 on it alone. With PP 2 each rank holds
 half the layers and compresses them, and the scheduler keeps two batches
 in flight: a later step runs on the first rank while an earlier one, maybe
 a compacting one, still runs on the second.
+With DP 2 one API server feeds two engine cores.
 Several CPU workers on a 2-core machine need an explicit thread binding
 (vLLM's automatic one wants a NUMA node per rank).
 
@@ -110,3 +112,48 @@ def test_pipeline_parallel_2_matches_one_process(model_path, samples, one_proces
         spawn=True,
     )
     assert [list(t) for t in ids] == one_process
+
+
+def test_data_parallel_2_server_matches_one_process(model_path, tokenizer, samples, one_process):
+    """``vllm serve -dp 2``: two engine cores behind one API server, each with
+    its own scheduler and worker. Requests sent at once give one process's
+    tokens, and the rocketkv:* counters carry each engine's own label and
+    add up to the requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_serve import Server, metric_samples
+
+    srv = Server(
+        model_path,
+        rocketkv=ROCKETKV,
+        extra=[
+            "-dp",
+            "2",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens",
+            "512",
+        ],
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per engine's worker
+    )
+    try:
+        srv.wait_ready()
+        client = srv.client()
+
+        def complete(sample):
+            out = client.completions.create(
+                model=srv.model, prompt=sample.token_ids, max_tokens=16, temperature=0
+            )
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(len(samples)) as pool:
+            texts = list(pool.map(complete, samples))
+        metrics = srv.metrics()
+    finally:
+        srv.stop()
+    assert texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in one_process]
+    compressed = {
+        labels["engine"]: value
+        for labels, value in metric_samples(metrics, "rocketkv:prompts_compressed_total")
+    }
+    assert set(compressed) == {"0", "1"} and sum(compressed.values()) == len(samples)
