@@ -27,10 +27,12 @@ pytestmark = pytest.mark.engine
 
 ROCKETKV = {"token_budget": 128, "max_new_tokens": 16}
 MAX_MODEL_LEN = 1100
-# SmolLM2: 30 layers, 3 KV heads, head dim 64, fp32, KT pages at page 4:
-# 61,440 bytes per block and layer, so 52 blocks of 30 layers (one process),
-# of 15 layers (a PP 2 rank) or of 30 layers with one KV head (a TP 3 rank).
-BLOCK_LAYER_BYTES = 61_440
+# SmolLM2: 30 layers, 3 KV heads, head dim 64, fp32, and the split's page of
+# 2 tokens, whose KT pages add half the K/V bytes: 73,728 bytes per block
+# and layer, so 52 blocks of 30 layers (one process), of 15 layers (a PP 2
+# rank) or of 30 layers with one KV head (a TP 3 rank).
+PAGE_SIZE = 2
+BLOCK_LAYER_BYTES = DEFAULT_CPU_BLOCK_SIZE * 3 * 64 * 4 * (2 + 2 // PAGE_SIZE)
 BLOCKS = 52
 
 
@@ -51,8 +53,8 @@ def samples(tokenizer):
 
     samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 4)
     settings = resolve_settings(parse_config(ROCKETKV), DEFAULT_CPU_BLOCK_SIZE, 64, MAX_MODEL_LEN)
-    plans = [plan_request(settings, len(s.token_ids)) for s in samples]
-    assert all(p.compress for p in plans)
+    assert settings.page_size == PAGE_SIZE
+    assert all(plan_request(settings, len(s.token_ids)).compress for s in samples)
     # Dense, the four prompts need more blocks than the cache has.
     assert sum(-(-len(s.token_ids) // DEFAULT_CPU_BLOCK_SIZE) for s in samples) > 2 * BLOCKS
     return samples
@@ -70,7 +72,8 @@ def run(model_path, samples, **kw):
     )
     try:
         prompts = [TokensPrompt(prompt_token_ids=s.token_ids) for s in samples]
-        return greedy(llm, prompts, max_tokens=16)
+        ids, text = greedy(llm, prompts, max_tokens=16)
+        return ids, text, llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     finally:
         shutdown(llm)
 
@@ -78,8 +81,10 @@ def run(model_path, samples, **kw):
 @pytest.fixture(scope="module")
 def one_process(model_path, samples):
     """The reference: one in-process worker (eager)."""
-    ids, text = run(model_path, samples, enforce_eager=True)
+    ids, text, num_blocks = run(model_path, samples, enforce_eager=True)
     from rocketkv_eval import tasks as eval_tasks
+
+    assert num_blocks == BLOCKS
 
     # The needle is found, so an equality is not between two broken runs.
     assert any(eval_tasks.score(t, s.references) == 100.0 for t, s in zip(text, samples))
@@ -88,7 +93,7 @@ def one_process(model_path, samples):
 
 def test_tensor_parallel_3_matches_one_process(model_path, samples, one_process, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0")
-    ids, _ = run(
+    ids, _, _ = run(
         model_path,
         samples,
         enforce_eager=True,
@@ -103,7 +108,7 @@ def test_pipeline_parallel_2_matches_one_process(model_path, samples, one_proces
     fails on the second rank), so this engine traces the model with
     torch.compile's eager backend: the same operations as the reference."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    ids, _ = run(
+    ids, _, _ = run(
         model_path,
         samples,
         pipeline_parallel_size=2,
