@@ -93,6 +93,18 @@ def greedy(llm, prompts, max_tokens=24):
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
 
 
+def ids_and_logprobs(out) -> tuple[list[int], list[float]]:
+    """A RequestOutput's first completion: its token ids and the logprob of
+    each (sampled with ``logprobs=1``)."""
+    o = out.outputs[0]
+    return list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)]
+
+
+def same_completion(a, b, abs: float = 1e-4) -> bool:
+    """Two ``ids_and_logprobs``: the same tokens, logprobs within ``abs``."""
+    return a[0] == b[0] and a[1] == pytest.approx(b[1], abs=abs)
+
+
 def cpu_attn_decode(q, kv, row, n, isa, cache_dtype="auto", k_scale=1.0, v_scale=1.0):
     """vLLM CPU_ATTN's own attention kernel for one query token at position
     n - 1 of one request (block row ``row``) over a ROCKETKV-shaped cache

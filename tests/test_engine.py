@@ -8,7 +8,7 @@ servers of test_serve.
 """
 
 import pytest
-from conftest import greedy, make_llm, shutdown
+from conftest import greedy, ids_and_logprobs, make_llm, same_completion, shutdown
 
 from rocketkv_eval.needle import build_needle_prompt, is_correct
 
@@ -35,12 +35,8 @@ def _greedy_with_logprobs(llm, prompts, max_tokens):
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [
-        [step[t].logprob for step, t in zip(o.outputs[0].logprobs, tokens)]
-        for o, tokens in zip(outs, ids)
-    ]
-    return ids, logprobs
+    ids, logprobs = zip(*(ids_and_logprobs(o) for o in outs))
+    return list(ids), list(logprobs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -133,10 +129,6 @@ def test_per_request_budget_matches_an_engine_with_that_budget(model_path, token
             extra_args=None if budget is None else {"rocketkv_token_budget": budget},
         )
 
-    def result(out):
-        o = out.outputs[0]
-        return (list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)])
-
     def run(llm, requests):
         """Results and, per request, how many of its blocks were given back
         once its first decode step ran."""
@@ -147,7 +139,7 @@ def test_per_request_budget_matches_an_engine_with_that_budget(model_path, token
             engine.add_request(str(i), prompt, params(budget))
         done, freed = {}, {}
         while engine.has_unfinished_requests():
-            done.update((o.request_id, result(o)) for o in engine.step() if o.finished)
+            done.update((o.request_id, ids_and_logprobs(o)) for o in engine.step() if o.finished)
             for r in sched.running:
                 key = r.request_id.rsplit("-", 1)[0]
                 if r.num_computed_tokens > r.num_prompt_tokens and key not in freed:
@@ -164,23 +156,20 @@ def test_per_request_budget_matches_an_engine_with_that_budget(model_path, token
     alone, _ = run(llm, [(p1, None), (p2, None)])
     with pytest.raises(VLLMValidationError, match="vllm_xargs.rocketkv_token_budget"):
         llm.generate(p1, params(8), use_tqdm=False)
-    [again] = [result(o) for o in llm.generate(p1, params(0), use_tqdm=False)]
+    [again] = [ids_and_logprobs(o) for o in llm.generate(p1, params(0), use_tqdm=False)]
     shutdown(llm)
     wide = make_llm(model_path, "ROCKETKV", dict(cfg, token_budget=1024))
-    [want_1024] = [result(o) for o in wide.generate(p2, params(None), use_tqdm=False)]
+    [want_1024] = [ids_and_logprobs(o) for o in wide.generate(p2, params(None), use_tqdm=False)]
     shutdown(wide)
     dense = make_llm(model_path, "CPU_ATTN", block_size=32)
-    [want_dense] = [result(o) for o in dense.generate(p1, params(None), use_tqdm=False)]
+    [want_dense] = [ids_and_logprobs(o) for o in dense.generate(p1, params(None), use_tqdm=False)]
     shutdown(dense)
 
-    def same(a, b):
-        return a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
-
-    assert same(mixed[0], want_dense) and same(again, want_dense)
-    assert same(mixed[1], want_1024)
-    assert same(mixed[2], alone[0]) and same(mixed[3], alone[1])
+    assert same_completion(mixed[0], want_dense) and same_completion(again, want_dense)
+    assert same_completion(mixed[1], want_1024)
+    assert same_completion(mixed[2], alone[0]) and same_completion(mixed[3], alone[1])
     # The engine's own budget changes p2's logprobs: 1024 was not ignored.
-    assert not same(mixed[3], want_1024)
+    assert not same_completion(mixed[3], want_1024)
     settings = resolve_settings(parse_config(cfg), 32, 64, 8192)
     want_freed = []
     for (n, _), (_, budget) in zip(freed, requests):
@@ -362,7 +351,6 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
     hashes apart; given-back blocks poisoned)."""
     import torch
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
 
     from rocketkv_eval import tasks as eval_tasks
     from rocketkv_vllm.config import parse_config, resolve_settings
@@ -377,14 +365,6 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
     with torch.no_grad():
         as_embeds = [{"prompt_embeds": embed(torch.tensor(s.token_ids))} for s in samples]
     as_ids = [{"prompt_token_ids": s.token_ids} for s in samples]
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)
-
-    def results(outs):
-        return [
-            (list(o.token_ids), [s[t].logprob for s, t in zip(o.logprobs, o.token_ids)])
-            for o in (out.outputs[0] for out in outs)
-        ]
-
     llm = make_llm(
         model_path,
         "ROCKETKV",
@@ -393,12 +373,13 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
         enable_prompt_embeds=True,
         max_model_len=2048,
     )
-    want = results(llm.generate(as_ids, params, use_tqdm=False))
-    got = results(llm.generate(as_embeds, params, use_tqdm=False))
+    want_ids, want_logprobs = _greedy_with_logprobs(llm, as_ids, 16)
+    ids, logprobs = _greedy_with_logprobs(llm, as_embeds, 16)
     shutdown(llm)
-    for (ids, logprobs), (want_ids, want_logprobs) in zip(got, want):
-        assert ids == want_ids and logprobs == pytest.approx(want_logprobs, abs=1e-4)
-    found = [eval_tasks.score(tokenizer.decode(i), s.references) for (i, _), s in zip(got, samples)]
+    assert ids == want_ids
+    for got, want in zip(logprobs, want_logprobs):
+        assert got == pytest.approx(want, abs=1e-4)
+    found = [eval_tasks.score(tokenizer.decode(i), s.references) for i, s in zip(ids, samples)]
     assert max(found) == 100.0
 
 

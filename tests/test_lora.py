@@ -11,7 +11,7 @@ engine with prefix caching off (compressed rows).
 import json
 
 import pytest
-from conftest import make_llm, shutdown
+from conftest import ids_and_logprobs, make_llm, same_completion, shutdown
 
 pytestmark = pytest.mark.engine
 
@@ -72,10 +72,7 @@ def test_adapter_requests_after_a_base_request_on_their_prompt(model_path, token
     def results(llm, requests):
         prompts, sampling, loras = zip(*requests)
         outs = llm.generate(list(prompts), list(sampling), lora_request=list(loras), use_tqdm=False)
-        return [
-            (list(o.token_ids), [s[t].logprob for s, t in zip(o.logprobs, o.token_ids)])
-            for o in (out.outputs[0] for out in outs)
-        ]
+        return [ids_and_logprobs(o) for o in outs]
 
     # Base p1 first, so its blocks are in the prefix cache when the adapter's
     # p1 arrives: a hit across adapters would give the base model's K/V.
@@ -95,11 +92,8 @@ def test_adapter_requests_after_a_base_request_on_their_prompt(model_path, token
     want_dense = results(dense, batch)
     shutdown(dense)
 
-    def same(a, b):
-        return a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
-
-    assert all(same(a, b) for a, b in zip(mixed, want))
-    assert same(mixed[1], want_dense[1])  # uncompressed, with the adapter
+    assert all(same_completion(a, b) for a, b in zip(mixed, want))
+    assert same_completion(mixed[1], want_dense[1])  # uncompressed, with the adapter
     # The adapter changed the outputs (so it was applied), and compression did.
-    assert not same(mixed[0], base_p1)
-    assert not same(mixed[0], mixed[1]) and not same(mixed[2], want_dense[2])
+    assert not same_completion(mixed[0], base_p1)
+    assert not same_completion(mixed[0], mixed[1]) and not same_completion(mixed[2], want_dense[2])
