@@ -11,9 +11,10 @@ With DP 2 one API server feeds two engine cores.
 Several CPU workers on a 2-core machine need an explicit thread binding
 (vLLM's automatic one wants a NUMA node per rank).
 
-Every engine runs the same requests in a cache of about 52 blocks per
-layer, less than the four prompts' dense ~33 each: later prompts wait for
-the blocks earlier ones give back, which are poisoned before they go back.
+Every engine runs the same requests in a cache of 52 blocks per layer,
+fewer than the ~132 the four prompts' dense blocks need: later prompts wait
+for the blocks earlier ones give back, which are poisoned before they go
+back.
 """
 
 import pytest

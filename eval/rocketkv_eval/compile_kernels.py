@@ -450,6 +450,7 @@ def launch_config(
     hs, sd, dd, ops = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"], mods["ops"]
     from rocketkv_vllm.kernels._utils import pdl_capable  # this checkout's (import_kernels)
 
+    pdl = pdl_capable(target.capability // 10)
     graph = cfg.layout == "graph"
     batch = GRAPH_ROWS if graph else EAGER_ROWS
     if graph:  # backend.graphs.shape_for: fixed by max_model_len and the budget
@@ -526,8 +527,8 @@ def launch_config(
         mock.patch.object(sd, "num_sms", lambda device: target.sms),
         mock.patch.object(dd, "num_sms", lambda device: target.sms),
         # the decode's PDL launch where the target has it (uses_pdl's rule)
-        mock.patch.object(hs, "uses_pdl", lambda device: pdl_capable(target.capability // 10)),
-        mock.patch.object(sd, "uses_pdl", lambda device: pdl_capable(target.capability // 10)),
+        mock.patch.object(hs, "uses_pdl", lambda device: pdl),
+        mock.patch.object(sd, "uses_pdl", lambda device: pdl),
     ):
         for name, call in calls.items():
             if call is None or (only and name not in only):
