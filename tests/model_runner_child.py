@@ -1,0 +1,190 @@
+"""One ROCKETKV engine run for ``test_model_runner_v2.py``, in its own process:
+
+    python tests/model_runner_child.py {v1,v2} {preempt,triton,torch} OUT.json
+
+``v2`` runs vLLM's Model Runner V2, NVIDIA's default: vLLM's CPU build has
+it (``vllm/v1/worker/cpu/model_runner.py``) but turns it down unless Triton
+has a CPU backend, because the runner prepares its inputs and samples in
+Triton kernels. Here Triton's interpreter runs them (``TRITON_INTERPRET=1``),
+so no driver is ever used, and Triton's NVIDIA backend is entered under the
+name "cpu" only so that vLLM's import-time check finds a backend. This has
+to happen before vLLM is imported, hence a process of its own. ``v1`` runs
+the V1 runner of vLLM's CPU build, as every other engine test does.
+
+Scenarios (each writes the completions, the preemptions, ROCKETKV's
+counters and the runner's module to OUT.json):
+
+* ``preempt``: SmolLM2, six requests through three request slots (slots are
+  taken again by later requests), a per-request budget of 1024 and one of 0
+  beside the engine's, a document asked twice (prefix caching), chunks
+  shared between requests, given-back blocks poisoned, selections reused
+  (``reselect_every`` 2), and a cache tight enough that a compressed
+  request is preempted while it decodes and recomputed later.
+* ``triton``: a tiny 2-layer Llama with SmolLM2's head geometry, Stage 2
+  in the Triton kernels (interpreted), decode steps laid out as FULL CUDA
+  graphs replay them (``force_graph_layout``), ``reselect_every`` 3.
+* ``torch``: the same requests with the PyTorch Stage 2, steps laid out
+  as vLLM's CPU build runs them (the oracle of ``triton``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _setup(runner: str) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker here
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if runner == "v2":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        os.environ["TRITON_INTERPRET"] = "1"
+        import triton.backends
+
+        triton.backends.backends.setdefault("cpu", triton.backends.backends["nvidia"])
+    else:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def _chat(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def _preempt_scenario():
+    from transformers import AutoTokenizer
+
+    from rocketkv_eval.capacity import kv_bytes_for_tokens
+    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.needle import build_needle_prompt
+
+    model = prepare_default_model()
+    tok = AutoTokenizer.from_pretrained(model)
+    doc = build_needle_prompt(tok, 1000, 0.4, seed=21).prompt
+    # (prompt, own budget, new tokens). Request 0's prefill runs 256 tokens a
+    # step beside request 1's; request 1 compresses and decodes, then
+    # request 0's growing prompt takes the cache and vLLM preempts the
+    # newest running request: 1 (and the chat, 2).
+    requests = [
+        (build_needle_prompt(tok, 2300, 0.7, seed=22).prompt, None, 12),
+        (doc, None, 24),
+        (_chat(tok, "Name three colours."), None, 24),
+        (build_needle_prompt(tok, 900, 0.5, seed=23).prompt, 0, 12),
+        (doc, None, 12),
+        (build_needle_prompt(tok, 1400, 0.6, seed=24).prompt, 1024, 12),
+    ]
+    # 77 blocks of 32 tokens with the KT pages: request 0 alone needs 72.
+    engine_kw = dict(
+        model=model,
+        max_model_len=2400,
+        block_size=32,
+        kv_cache_memory_bytes=kv_bytes_for_tokens(model, 3100, 4),
+        max_num_seqs=3,
+        max_num_batched_tokens=512,
+        long_prefill_token_threshold=256,
+    )
+    rocketkv = {"token_budget": 128, "page_size": 4, "reselect_every": 2}
+    return engine_kw, rocketkv, requests
+
+
+def _triton_scenario(kernel: str):
+    from transformers import AutoTokenizer
+
+    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.needle import build_needle_prompt
+    from rocketkv_eval.tiny_model import prepare_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_default_model())
+    requests = [
+        (build_needle_prompt(tok, 600, 0.5, seed=11).prompt, None, 5),
+        (_chat(tok, "Name three colours."), None, 5),
+    ]
+    engine_kw = dict(
+        model=prepare_tiny_model(64, num_heads=3, num_kv_heads=1),
+        max_model_len=8192,
+        kv_cache_memory_bytes=1 << 28,
+        max_num_seqs=4,  # V2 samples its warm-up rows in interpreted kernels
+    )
+    rocketkv = {"prompt_budget": 128, "topk": 32, "reselect_every": 3, "kernel": kernel}
+    return engine_kw, rocketkv, requests
+
+
+def run(runner: str, scenario: str) -> dict:
+    _setup(runner)
+    from vllm import LLM, SamplingParams
+
+    from rocketkv_vllm.state import existing_worker_state
+
+    if scenario == "preempt":
+        engine_kw, rocketkv, requests = _preempt_scenario()
+        testing = {"poison_evicted_blocks": True}
+    elif scenario in ("triton", "torch"):
+        engine_kw, rocketkv, requests = _triton_scenario(scenario)
+        testing = {"force_graph_layout": scenario == "triton"}
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    llm = LLM(
+        attention_backend="ROCKETKV",
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        additional_config={"rocketkv": rocketkv, "rocketkv_testing": testing},
+        **engine_kw,
+    )
+    engine = llm.llm_engine
+    model_runner = engine.model_executor.driver_worker.worker.model_runner
+    scheduler = engine.engine_core.engine_core.scheduler
+    preemptions = []
+    preempt = scheduler._preempt_request
+
+    def record_preemption(request, *args, **kwargs):
+        preemptions.append(
+            [
+                request.request_id.rsplit("-", 1)[0],
+                request.num_computed_tokens,
+                request.num_prompt_tokens,
+            ]
+        )
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = record_preemption
+    for i, (prompt, budget, new_tokens) in enumerate(requests):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=new_tokens,
+            ignore_eos=True,
+            logprobs=1,
+            extra_args=None if budget is None else {"rocketkv_token_budget": budget},
+        )
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = [
+                    list(c.token_ids),
+                    [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
+                ]
+    state = existing_worker_state(engine.vllm_config)
+    counters = state.counters
+    result = {
+        "runner": type(model_runner).__module__,
+        "outputs": [done[str(i)] for i in range(len(requests))],
+        "preemptions": preemptions,
+        "prompts_compressed": counters.prompts_compressed,
+        "decode_tokens_compressed": counters.decode_tokens_compressed,
+        "decode_selections_reused": counters.decode_selections_reused,
+        "graph_layout": state.graph_guard is not None,
+    }
+    engine.engine_core.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    runner, scenario, out = sys.argv[1:4]
+    with open(out, "w") as f:
+        json.dump(run(runner, scenario), f)

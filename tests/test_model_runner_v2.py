@@ -1,0 +1,80 @@
+"""ROCKETKV under vLLM's Model Runner V2, the runner vLLM uses on NVIDIA GPUs.
+
+Every other engine test runs vLLM's CPU build with its V1 runner; V2 keeps
+its requests in slots (``CommonAttentionMetadata.req_idx``), sends resumed
+requests as new ones and marks dummy runs elsewhere, and ROCKETKV follows
+it through its own hooks (``vllm_patches``: ``add_requests``,
+``gather_batch_req_state``; ``state.WorkerRequests``). Each engine runs in
+a process of its own (``model_runner_child.py``: V2 needs Triton's
+interpreter set up before vLLM is imported), and the V1 runner's outputs
+are the oracle: same requests, same scheduler, so the same steps.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+CHILD = Path(__file__).with_name("model_runner_child.py")
+V1_RUNNER = "vllm.v1.worker.cpu_model_runner"
+V2_RUNNER = "vllm.v1.worker.cpu.model_runner"
+
+
+def _run(runner: str, scenario: str, tmp_path) -> dict:
+    out = tmp_path / f"{runner}-{scenario}.json"
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), runner, scenario, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _same_outputs(got, want, abs):
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert a == pytest.approx(b, abs=abs)
+
+
+def test_preempted_compressed_request_and_reused_slots_match_v1(tmp_path):
+    """Six requests through three slots, own budgets of 1024 and 0 beside the
+    engine's, a document asked twice, selections reused, given-back blocks
+    poisoned, and a compressed request preempted while it decodes: V2 gives
+    V1's tokens, logprobs and ROCKETKV counts."""
+    v1 = _run("v1", "preempt", tmp_path)
+    v2 = _run("v2", "preempt", tmp_path)
+    assert (v1["runner"], v2["runner"]) == (V1_RUNNER, V2_RUNNER)
+    # The scenario does what it is for: request 1 (a compressed prompt of
+    # ~1,000 tokens) was preempted after its prompt, while decoding.
+    assert any(r == "1" and done > prompt for r, done, prompt in v1["preemptions"])
+    assert v1["decode_selections_reused"] > 0
+    # 0, 1 twice (recomputed after its preemption), 4 and 5; not 2 (short) or 3 (budget 0).
+    assert v1["prompts_compressed"] == 5
+    _same_outputs(v2["outputs"], v1["outputs"], abs=1e-4)
+    for key in (
+        "preemptions",
+        "prompts_compressed",
+        "decode_tokens_compressed",
+        "decode_selections_reused",
+    ):
+        assert v2[key] == v1[key], key
+
+
+def test_triton_stage2_in_graph_layout_matches_torch_path(tmp_path):
+    """The Triton Stage 2 (interpreted) with decode steps laid out for FULL
+    CUDA graphs and selections reused, under V2, NVIDIA's defaults as far as
+    a CPU reaches them: the PyTorch Stage 2's tokens on the V1 runner (a
+    tiny random model: 1e-3 on the logprobs, as test_engine's V1 case)."""
+    torch_v1 = _run("v1", "torch", tmp_path)
+    triton_v2 = _run("v2", "triton", tmp_path)
+    assert triton_v2["runner"] == V2_RUNNER
+    assert (torch_v1["graph_layout"], triton_v2["graph_layout"]) == (False, True)
+    assert triton_v2["decode_selections_reused"] > 0
+    _same_outputs(triton_v2["outputs"], torch_v1["outputs"], abs=1e-3)
+    assert triton_v2["decode_tokens_compressed"] == torch_v1["decode_tokens_compressed"]
