@@ -1,6 +1,6 @@
 """One ROCKETKV engine run for ``test_model_runner_v2.py``, in its own process:
 
-    python tests/model_runner_child.py {v1,v2} {preempt,triton,torch} OUT.json
+    python tests/model_runner_child.py {v1,v2} {preempt,triton,torch,hybrid} OUT.json
 
 ``v2`` runs vLLM's Model Runner V2, NVIDIA's default: vLLM's CPU build has
 it (``vllm/v1/worker/cpu/model_runner.py``) but turns it down unless Triton
@@ -25,6 +25,9 @@ counters and the runner's module to OUT.json):
   graphs replay them (``force_graph_layout``), ``reselect_every`` 3.
 * ``torch``: the same requests with the PyTorch Stage 2, steps laid out
   as vLLM's CPU build runs them (the oracle of ``triton``).
+* ``hybrid``: a tiny random Gemma 3 (sliding-window layers in vLLM's
+  backend), random-token prompts (a document asked three times), prefix
+  caching on, given-back blocks poisoned.
 """
 
 from __future__ import annotations
@@ -112,6 +115,32 @@ def _triton_scenario(kernel: str):
     return engine_kw, rocketkv, requests
 
 
+def _hybrid_scenario():
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_eval.tiny_model import prepare_tiny_gemma3
+
+    rng = random.Random(7)
+
+    def ids(n):
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    doc = ids(700)
+    prompts = [doc + ids(40), ids(900), doc + ids(60), ids(50), ids(1200), doc + ids(30)]
+    requests = [(TokensPrompt(prompt_token_ids=p), None, 12) for p in prompts]
+    engine_kw = dict(
+        model=prepare_tiny_gemma3(sliding_window=64, query_pre_attn_scalar=48),
+        max_model_len=2048,
+        block_size=32,
+        kv_cache_memory_bytes=1 << 27,
+        max_num_seqs=3,
+        max_num_batched_tokens=256,
+    )
+    return engine_kw, {"prompt_budget": 256, "window_size": 160}, requests
+
+
 def run(runner: str, scenario: str) -> dict:
     _setup(runner)
     from vllm import LLM, SamplingParams
@@ -124,6 +153,9 @@ def run(runner: str, scenario: str) -> dict:
     elif scenario in ("triton", "torch"):
         engine_kw, rocketkv, requests = _triton_scenario(scenario)
         testing = {"force_graph_layout": scenario == "triton"}
+    elif scenario == "hybrid":
+        engine_kw, rocketkv, requests = _hybrid_scenario()
+        testing = {"poison_evicted_blocks": True}
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     llm = LLM(

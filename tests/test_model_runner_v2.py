@@ -11,6 +11,7 @@ are the oracle: same requests, same scheduler, so the same steps.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +25,29 @@ V1_RUNNER = "vllm.v1.worker.cpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.cpu.model_runner"
 
 
-def _run(runner: str, scenario: str, tmp_path) -> dict:
-    out = tmp_path / f"{runner}-{scenario}.json"
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), runner, scenario, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+def _run_pair(v1_scenario: str, v2_scenario: str, tmp_path) -> tuple[dict, dict]:
+    """The V1 and the V2 engine at once, each in its own process and, on
+    a machine of two cores or more, on a core of its own (one thread each:
+    the same outputs as one after the other)."""
+    runs = []
+    for i, (runner, scenario) in enumerate((("v1", v1_scenario), ("v2", v2_scenario))):
+        out = tmp_path / f"{runner}-{scenario}.json"
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(i % (os.cpu_count() or 1)))
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), runner, scenario, str(out)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        runs.append((proc, out))
+    results = []
+    for proc, out in runs:
+        _, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-4000:]
+        results.append(json.loads(out.read_text()))
+    return results[0], results[1]
 
 
 def _same_outputs(got, want, abs):
@@ -47,8 +61,7 @@ def test_preempted_compressed_request_and_reused_slots_match_v1(tmp_path):
     engine's, a document asked twice, selections reused, given-back blocks
     poisoned, and a compressed request preempted while it decodes: V2 gives
     V1's tokens, logprobs and ROCKETKV counts."""
-    v1 = _run("v1", "preempt", tmp_path)
-    v2 = _run("v2", "preempt", tmp_path)
+    v1, v2 = _run_pair("preempt", "preempt", tmp_path)
     assert (v1["runner"], v2["runner"]) == (V1_RUNNER, V2_RUNNER)
     # The scenario does what it is for: request 1 (a compressed prompt of
     # ~1,000 tokens) was preempted after its prompt, while decoding.
@@ -71,10 +84,21 @@ def test_triton_stage2_in_graph_layout_matches_torch_path(tmp_path):
     CUDA graphs and selections reused, under V2, NVIDIA's defaults as far as
     a CPU reaches them: the PyTorch Stage 2's tokens on the V1 runner (a
     tiny random model: 1e-3 on the logprobs, as test_engine's V1 case)."""
-    torch_v1 = _run("v1", "torch", tmp_path)
-    triton_v2 = _run("v2", "triton", tmp_path)
+    torch_v1, triton_v2 = _run_pair("torch", "triton", tmp_path)
     assert triton_v2["runner"] == V2_RUNNER
     assert (torch_v1["graph_layout"], triton_v2["graph_layout"]) == (False, True)
     assert triton_v2["decode_selections_reused"] > 0
     _same_outputs(triton_v2["outputs"], torch_v1["outputs"], abs=1e-3)
     assert triton_v2["decode_tokens_compressed"] == torch_v1["decode_tokens_compressed"]
+
+
+def test_hybrid_model_matches_v1(tmp_path):
+    """A tiny random Gemma 3 (sliding-window layers in vLLM's backend, one
+    KV cache group each kind): a document asked three times beside other
+    compressed and short prompts, prefix caching on, given-back blocks
+    poisoned; V2 gives V1's tokens, logprobs and counts."""
+    v1, v2 = _run_pair("hybrid", "hybrid", tmp_path)
+    assert v2["runner"] == V2_RUNNER
+    assert v1["prompts_compressed"] == 5  # all but the 50-token prompt
+    _same_outputs(v2["outputs"], v1["outputs"], abs=1e-4)
+    assert v2["decode_tokens_compressed"] == v1["decode_tokens_compressed"]
