@@ -11,8 +11,8 @@ name "cpu" only so that vLLM's import-time check finds a backend. This has
 to happen before vLLM is imported, hence a process of its own. ``v1`` runs
 the V1 runner of vLLM's CPU build, as every other engine test does.
 
-Scenarios (each writes the completions, the preemptions, ROCKETKV's
-counters and the runner's module to OUT.json):
+Scenarios (each writes the completions, their prefix-cache hits, the
+preemptions, ROCKETKV's counters and the runner's module to OUT.json):
 
 * ``preempt``: SmolLM2, six requests through three request slots (slots are
   taken again by later requests), a per-request budget of 1024 and one of 0
@@ -192,7 +192,7 @@ def run(runner: str, scenario: str) -> dict:
             extra_args=None if budget is None else {"rocketkv_token_budget": budget},
         )
         engine.add_request(str(i), prompt, params)
-    done = {}
+    done, cached = {}, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
@@ -201,11 +201,13 @@ def run(runner: str, scenario: str) -> dict:
                     list(c.token_ids),
                     [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
                 ]
+                cached[out.request_id] = out.num_cached_tokens or 0
     state = existing_worker_state(engine.vllm_config)
     counters = state.counters
     result = {
         "runner": type(model_runner).__module__,
         "outputs": [done[str(i)] for i in range(len(requests))],
+        "cached_tokens": [cached[str(i)] for i in range(len(requests))],
         "preemptions": preemptions,
         "prompts_compressed": counters.prompts_compressed,
         "decode_tokens_compressed": counters.decode_tokens_compressed,

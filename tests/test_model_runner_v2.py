@@ -75,8 +75,10 @@ def test_preempted_compressed_request_and_reused_slots_match_v1(tmp_path):
     assert v1["decode_selections_reused"] > 0
     # 0, 1 twice (recomputed after its preemption), 4 and 5; not 2 (short) or 3 (budget 0).
     assert v1["prompts_compressed"] == 5
+    assert v1["cached_tokens"][4] > 0  # the document asked again
     _same_outputs(v2["outputs"], v1["outputs"], abs=1e-4)
     for key in (
+        "cached_tokens",
         "preemptions",
         "prompts_compressed",
         "decode_tokens_compressed",
@@ -106,5 +108,7 @@ def test_hybrid_model_matches_v1(tmp_path):
     v1, v2 = _run_pair("hybrid", "hybrid", tmp_path)
     assert v2["runner"] == V2_RUNNER
     assert v1["prompts_compressed"] == 5  # all but the 50-token prompt
+    assert v1["cached_tokens"][2] > 0 and v1["cached_tokens"][5] > 0  # the document again
     _same_outputs(v2["outputs"], v1["outputs"], abs=1e-4)
+    assert v2["cached_tokens"] == v1["cached_tokens"]
     assert v2["decode_tokens_compressed"] == v1["decode_tokens_compressed"]
