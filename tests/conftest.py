@@ -85,6 +85,13 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as one user turn in the model's chat template."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
 def greedy(llm, prompts, max_tokens=24):
     from vllm import SamplingParams
 

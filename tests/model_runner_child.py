@@ -36,6 +36,8 @@ import json
 import os
 import sys
 
+from conftest import chat_prompt, ids_and_logprobs  # this file's folder is on sys.path
+
 
 def _setup(runner: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker here
@@ -49,12 +51,6 @@ def _setup(runner: str) -> None:
         triton.backends.backends.setdefault("cpu", triton.backends.backends["nvidia"])
     else:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-
-
-def _chat(tokenizer, text: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
 
 
 def _preempt_scenario():
@@ -74,7 +70,7 @@ def _preempt_scenario():
     requests = [
         (build_needle_prompt(tok, 2300, 0.7, seed=22).prompt, None, 12),
         (doc, None, 24),
-        (_chat(tok, "Name three colours."), None, 24),
+        (chat_prompt(tok, "Name three colours."), None, 24),
         (build_needle_prompt(tok, 900, 0.5, seed=23).prompt, 0, 12),
         (doc, None, 12),
         (build_needle_prompt(tok, 1400, 0.6, seed=24).prompt, 1024, 12),
@@ -103,7 +99,7 @@ def _triton_scenario(kernel: str):
     tok = AutoTokenizer.from_pretrained(prepare_default_model())
     requests = [
         (build_needle_prompt(tok, 600, 0.5, seed=11).prompt, None, 5),
-        (_chat(tok, "Name three colours."), None, 5),
+        (chat_prompt(tok, "Name three colours."), None, 5),
     ]
     engine_kw = dict(
         model=prepare_tiny_model(64, num_heads=3, num_kv_heads=1),
@@ -196,11 +192,7 @@ def run(runner: str, scenario: str) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = [
-                    list(c.token_ids),
-                    [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)],
-                ]
+                done[out.request_id] = ids_and_logprobs(out)
                 cached[out.request_id] = out.num_cached_tokens or 0
     state = existing_worker_state(engine.vllm_config)
     counters = state.counters

@@ -8,17 +8,18 @@ servers of test_serve.
 """
 
 import pytest
-from conftest import greedy, ids_and_logprobs, make_llm, same_completion, shutdown
+from conftest import (
+    chat_prompt,
+    greedy,
+    ids_and_logprobs,
+    make_llm,
+    same_completion,
+    shutdown,
+)
 
 from rocketkv_eval.needle import build_needle_prompt, is_correct
 
 pytestmark = pytest.mark.engine
-
-
-def _chat(tokenizer, text):
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
 
 
 def test_bad_config_fails_at_startup_naming_the_field(model_path):
@@ -46,8 +47,8 @@ def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer, dtype):
     CPU default of 32, which is CPU_ATTN's AMX kernel for bf16 where the CPU
     has AMX, its vec kernel otherwise)."""
     prompts = [
-        _chat(tokenizer, "What is the capital of France? Answer in one sentence."),
-        _chat(tokenizer, "Write a short poem about the sea."),
+        chat_prompt(tokenizer, "What is the capital of France? Answer in one sentence."),
+        chat_prompt(tokenizer, "Write a short poem about the sea."),
         build_needle_prompt(tokenizer, 1500, 0.5, seed=1).prompt,
         build_needle_prompt(tokenizer, 700, 0.2, seed=2).prompt,
     ]
@@ -75,9 +76,9 @@ def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer, prefix
     vLLM's prefix caching on (the prompts share their opening) and off."""
     prompts = [
         build_needle_prompt(tokenizer, 1400, 0.3, seed=21).prompt,
-        _chat(tokenizer, "Name three colours."),
+        chat_prompt(tokenizer, "Name three colours."),
         build_needle_prompt(tokenizer, 2300, 0.7, seed=22).prompt,
-        _chat(tokenizer, "What is two plus two?"),
+        chat_prompt(tokenizer, "What is two plus two?"),
         build_needle_prompt(tokenizer, 900, 0.5, seed=23).prompt,
     ]
     cfg = {"prompt_budget": 320}
@@ -249,7 +250,7 @@ def test_triton_path_forced_on_matches_torch_path(
     tiny = prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
     prompts = [
         build_needle_prompt(tokenizer, 600, 0.5, seed=11).prompt,
-        _chat(tokenizer, "Name three colours."),
+        chat_prompt(tokenizer, "Name three colours."),
     ]
     cfg = {"prompt_budget": 128, "topk": 32, "kt_dtype": kt_dtype}
     cfg["reselect_every"] = reselect_every
