@@ -17,9 +17,15 @@ lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Tests run in PYTEST_WORKERS processes (pytest-xdist), a test file to a
+# worker (module fixtures, engines among them, start once), each worker on one
+# core (tests/conftest.py); 0 runs them in this process.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile
+
 # Everything that starts no vLLM engine (a few minutes).
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not engine" $(PYTEST_ARGS)
+	$(PYTEST) -m "not engine" $(PYTEST_ARGS)
 
 test: lint
-	$(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
+	$(PYTEST) --durations=30 $(PYTEST_ARGS)

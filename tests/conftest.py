@@ -9,6 +9,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`make test` runs two workers: CI has 2 cores) each worker
+# keeps to one core, set before torch is imported: its in-process engines
+# compute in one thread and the servers it spawns bind their worker to that
+# core, so two engines run side by side instead of fighting over both cores.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+if _XDIST_WORKER:
+    _core = sorted(os.sched_getaffinity(0))[int(_XDIST_WORKER[2:]) % len(os.sched_getaffinity(0))]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_core))
+
 # Small, fixed engine settings so tests fit a 2-core CI machine.
 ENGINE_KW = dict(
     max_model_len=8192,
