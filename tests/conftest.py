@@ -15,7 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # core, so two engines run side by side instead of fighting over both cores.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
 if _XDIST_WORKER:
-    _core = sorted(os.sched_getaffinity(0))[int(_XDIST_WORKER[2:]) % len(os.sched_getaffinity(0))]
+    _cores = sorted(os.sched_getaffinity(0))
+    _core = _cores[int(_XDIST_WORKER[2:]) % len(_cores)]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_core))
 
