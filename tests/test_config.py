@@ -236,6 +236,26 @@ def test_request_budget_plans_like_an_engine_with_that_budget():
     assert plan_request(engines[0], 3000, 1024) != plan_request(engines[0], 3000)
 
 
+def test_a_request_that_decodes_nothing_is_planned_uncompressed():
+    """max_tokens 1 (its token comes from the prompt's forward) and pooling
+    (no sampling parameters) plan with budget 0 in every process, whatever
+    budget the request asks for; a request that decodes keeps its own."""
+    from vllm import SamplingParams
+
+    from rocketkv_vllm.requests import planned_budget
+
+    own = {"rocketkv_token_budget": 512}
+    assert planned_budget(None) == 0
+    assert planned_budget(SamplingParams(max_tokens=1)) == 0
+    assert planned_budget(SamplingParams(max_tokens=1, n=3, extra_args=own)) == 0
+    assert planned_budget(SamplingParams(max_tokens=2)) is None
+    assert planned_budget(SamplingParams(max_tokens=2, extra_args=own)) == 512
+    assert planned_budget(SamplingParams(max_tokens=None)) is None  # vLLM fills it in later
+    settings = resolve_settings(parse_config({"token_budget": 256}), 32, 64, 8192)
+    assert not plan_request(settings, 6000, planned_budget(SamplingParams(max_tokens=1))).compress
+    assert plan_request(settings, 6000, planned_budget(SamplingParams(max_tokens=2))).compress
+
+
 def test_readme_configuration_table_is_the_knobs_metadata():
     """The README's table is generated from RocketKVConfig's field metadata:
     a knob added, renamed or re-documented without it fails here."""

@@ -385,9 +385,9 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
 
 
 def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
-    """``runner="pooling"``: nothing decodes, and each layer compacts only
-    after its attention over the whole prompt, so a compressed prompt's
-    embedding is CPU_ATTN's."""
+    """``runner="pooling"``: nothing decodes, so prompts longer than the
+    budget are served uncompressed (``requests.planned_budget``: no Stage 1)
+    and the embeddings are CPU_ATTN's."""
     import torch
 
     from rocketkv_eval import tasks as eval_tasks
@@ -404,8 +404,46 @@ def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
         )
         outs = llm.embed(prompts, use_tqdm=False)
         embeddings[backend] = torch.tensor([o.outputs.embedding for o in outs])
-        if cfg is not None:  # Stage 1 ran on both prompts
+        if cfg is not None:  # Stage 1 never ran
             counters = worker_state(llm.llm_engine.vllm_config).counters
-            assert counters.prompts_compressed == len(prompts)
+            assert counters.prompts_compressed == 0
         shutdown(llm)
     torch.testing.assert_close(embeddings["ROCKETKV"], embeddings["CPU_ATTN"], atol=1e-5, rtol=1e-5)
+
+
+def test_beam_search_steps_are_served_uncompressed(model_path, tokenizer):
+    """vLLM's beam search runs each step as max_tokens=1 requests over the
+    beams' whole sequences: nothing decodes, so ROCKETKV serves them
+    uncompressed in every process (``requests.planned_budget``) and the
+    beams are CPU_ATTN's, each step's prompt a prefix-cache hit on the last
+    step's blocks. A request of the same prompt that decodes is compressed.
+    Given-back blocks are poisoned."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import BeamSearchParams
+
+    from rocketkv_vllm.state import worker_state
+
+    ids = tokenizer(build_needle_prompt(tokenizer, 1500, 0.5, seed=41).prompt).input_ids
+    prompt = TokensPrompt(prompt_token_ids=ids)
+    beams = {}
+    for backend, cfg in (("CPU_ATTN", None), ("ROCKETKV", {"token_budget": 128})):
+        testing = {"poison_evicted_blocks": True} if cfg else None
+        llm = make_llm(model_path, backend, cfg, testing=testing, block_size=32)
+        [out] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+        beams[backend] = [(s.tokens[len(ids) :], s.cum_logprob) for s in out.sequences]
+        if cfg:
+            counters = worker_state(llm.llm_engine.vllm_config).counters
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+            # Workers: no Stage 1; scheduler: no window cap on the hits, no
+            # copies of compaction targets.
+            assert counters.prompts_compressed == 0
+            assert manager.prefix_account == type(manager.prefix_account)()
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+            assert counters.prompts_compressed == 1
+            assert manager.prefix_account.tokens_recomputed > 0
+        shutdown(llm)
+    want, got = beams["CPU_ATTN"], beams["ROCKETKV"]
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)

@@ -158,6 +158,22 @@ def test_stat_logger_follows_each_requests_own_budget():
     )
 
 
+def test_frontend_plans_a_one_token_request_uncompressed():
+    """The API server's counters plan each request with the budget the
+    scheduler and workers use (``requests.planned_budget``): a max_tokens=1
+    request, whatever budget it asks for, counts as uncompressed."""
+    from vllm import SamplingParams
+
+    from rocketkv_vllm.metrics import _BUDGET_ATTR, remember_request
+
+    own = {"rocketkv_token_budget": 1024}
+    for max_tokens, want in ((1, 0), (2, 1024)):
+        state = SimpleNamespace()
+        params = SamplingParams(max_tokens=max_tokens, extra_args=own)
+        remember_request(state, SimpleNamespace(sampling_params=params))
+        assert getattr(state, _BUDGET_ATTR) == want
+
+
 # ---------------------------------------------------------------------------
 # A real server.
 
