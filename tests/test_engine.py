@@ -411,13 +411,14 @@ def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
     torch.testing.assert_close(embeddings["ROCKETKV"], embeddings["CPU_ATTN"], atol=1e-5, rtol=1e-5)
 
 
-def test_beam_search_steps_are_served_uncompressed(model_path, tokenizer):
+def test_beam_search_and_prompt_logprobs_match_cpu_attention(model_path, tokenizer):
     """vLLM's beam search runs each step as max_tokens=1 requests over the
     beams' whole sequences: nothing decodes, so ROCKETKV serves them
     uncompressed in every process (``requests.planned_budget``) and the
     beams are CPU_ATTN's, each step's prompt a prefix-cache hit on the last
-    step's blocks. A request of the same prompt that decodes is compressed.
-    Given-back blocks are poisoned."""
+    step's blocks. A request of the same prompt that decodes is compressed,
+    and its prompt logprobs (computed before Stage 1 compacts) are
+    CPU_ATTN's. Given-back blocks are poisoned."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import BeamSearchParams
@@ -426,7 +427,8 @@ def test_beam_search_steps_are_served_uncompressed(model_path, tokenizer):
 
     ids = tokenizer(build_needle_prompt(tokenizer, 1500, 0.5, seed=41).prompt).input_ids
     prompt = TokensPrompt(prompt_token_ids=ids)
-    beams = {}
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=0, temperature=0.0)
+    beams, prompt_logprobs = {}, {}
     for backend, cfg in (("CPU_ATTN", None), ("ROCKETKV", {"token_budget": 128})):
         testing = {"poison_evicted_blocks": True} if cfg else None
         llm = make_llm(model_path, backend, cfg, testing=testing, block_size=32)
@@ -443,7 +445,14 @@ def test_beam_search_steps_are_served_uncompressed(model_path, tokenizer):
             llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
             assert counters.prompts_compressed == 1
             assert manager.prefix_account.tokens_recomputed > 0
+        [out] = llm.generate(prompt, scored, use_tqdm=False)
+        # (vLLM reads no prefix-cache hit for a request with prompt logprobs.)
+        prompt_logprobs[backend] = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+        if cfg:
+            assert counters.prompts_compressed == 2
         shutdown(llm)
     want, got = beams["CPU_ATTN"], beams["ROCKETKV"]
     assert [t for t, _ in got] == [t for t, _ in want]
     assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+    assert len(prompt_logprobs["ROCKETKV"]) == len(ids) - 1
+    assert prompt_logprobs["ROCKETKV"] == pytest.approx(prompt_logprobs["CPU_ATTN"], abs=1e-4)
