@@ -87,7 +87,19 @@ def make_llm(
     if extra:
         args["additional_config"] = extra
     with _env("VLLM_ENABLE_V1_MULTIPROCESSING", None if spawn else "0"):
-        return LLM(model=model_path, attention_backend=backend, **args)
+        try:
+            return LLM(model=model_path, attention_backend=backend, **args)
+        except Exception:
+            if not spawn:
+                # A start refused after this process's worker set up vLLM's
+                # distributed state (e.g. at the KV cache spec) leaves it
+                # set up, and the next in-process engine would reuse it (an
+                # MoE model then finds no expert-parallel group). A spawned
+                # worker takes its state with it.
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            raise
 
 
 def shutdown(llm) -> None:
