@@ -344,6 +344,29 @@ def test_per_request_budget_in_vllm_xargs(server, long_prompt):
     assert server.proc.poll() is None
 
 
+def test_beam_search_one_token_and_structured_requests(server, long_prompt):
+    """Over HTTP, with the engine core and worker in their own processes: a
+    max_tokens=1 request and a beam search (each step max_tokens=1 requests)
+    of the long prompt are served uncompressed, whatever budget they ask for
+    (``requests.planned_budget``: not counted in
+    rocketkv:prompts_compressed); a structured-output (choice) request of
+    the same prompt is compressed and answers one of its choices."""
+    before = metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total")
+    one = _complete(
+        server, long_prompt, max_tokens=1, extra_body={"vllm_xargs": {"rocketkv_token_budget": 512}}
+    )
+    assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == 1
+    beams = _complete(server, long_prompt, n=2, max_tokens=3, extra_body={"use_beam_search": True})
+    assert len(beams.choices) == 2 and all(c.text for c in beams.choices)
+    assert metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total") == before
+    choices = ["The needle is here", "There is no needle"]
+    picked = _complete(
+        server, long_prompt, max_tokens=12, extra_body={"structured_outputs": {"choice": choices}}
+    )
+    assert picked.choices[0].text in choices
+    assert metric_value(_idle_metrics(server), "rocketkv:prompts_compressed_total") == before + 1
+
+
 def test_prompt_longer_than_the_model_maximum_is_a_clean_400(server, tokenizer):
     import openai
 
