@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rocketkv_eval.e2e import dense_backend_name, platform_name  # noqa: E402
+from rocketkv_eval.e2e import dense_backend_name, machine_info, platform_name  # noqa: E402
 from rocketkv_eval.engines import in_process  # noqa: E402
 from rocketkv_eval.model import MODEL_HELP, resolve_model  # noqa: E402
 
@@ -142,17 +141,10 @@ def main(argv=None) -> int:
         f"first tokens {ours['first_tokens_equal_dense']}"
     )
     if args.json:
-        import torch
-
         report = {
             "command": " ".join(["python", "scripts/bench_beam.py"] + (argv or sys.argv[1:])),
             "date": time.strftime("%Y-%m-%d"),
-            "machine": {
-                "platform": platform_name(),
-                "cpu": platform.processor() or platform.machine(),
-                "cores": os.cpu_count(),
-                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            },
+            "machine": machine_info(),
             "prompt_tokens": [len(i) for i in ids],
             "beam_width": args.beam_width,
             "new_tokens": args.new_tokens,

@@ -75,6 +75,18 @@ def platform_name() -> str:
     return "cpu"
 
 
+def machine_info() -> dict:
+    """The machine a benchmark's report was measured on."""
+    import torch
+
+    return {
+        "platform": platform_name(),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
 def dense_backend_name() -> str:
     from vllm.platforms import current_platform
 
@@ -288,19 +300,12 @@ def compare_with_dense(rows: list[dict]) -> None:
 
 
 def write_report(args, argv, model: str, workloads, rows: list[dict]) -> None:
-    import torch
-
     report = {
         "command": " ".join(
             ["python", "scripts/bench_e2e.py"] + (argv if argv is not None else sys.argv[1:])
         ),
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "platform": platform_name(),
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        },
+        "machine": machine_info(),
         "model": args.model_config or os.path.basename(model.rstrip("/")),
         "weights": "dummy (random, load_format=dummy)" if args.model_config else "real",
         "workloads": [{"prompts": len(w), "prompt_tokens": len(w[0])} for w in workloads],
