@@ -398,9 +398,10 @@ def test_kv_cache_is_empty_after_all_requests(server):
     log = server.log()
     assert "Traceback" not in log, log[-5000:]
     # Every request with the long prompt was compressed, the disconnected one
-    # included, but the one with budget 0: 2 (plain, streamed) + 3 (n=3) +
-    # 3 (stop) + 1 (disconnect) + 1 (its own budget 512).
-    assert metric_value(text, "rocketkv:prompts_compressed_total") == 10
+    # included, but the one with budget 0 and those that decode nothing
+    # (max_tokens 1, beam search): 2 (plain, streamed) + 3 (n=3) + 3 (stop) +
+    # 1 (disconnect) + 1 (its own budget 512) + 1 (structured output).
+    assert metric_value(text, "rocketkv:prompts_compressed_total") == 11
 
 
 def test_invalid_settings_stop_startup_naming_the_field(model_path):
