@@ -142,7 +142,9 @@ def main(argv=None) -> int:
     )
     if args.json:
         report = {
-            "command": " ".join(["python", "scripts/bench_beam.py"] + (argv or sys.argv[1:])),
+            "command": " ".join(
+                ["python", "scripts/bench_beam.py"] + (argv if argv is not None else sys.argv[1:])
+            ),
             "date": time.strftime("%Y-%m-%d"),
             "machine": machine_info(),
             "prompt_tokens": [len(i) for i in ids],
