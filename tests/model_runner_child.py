@@ -1,6 +1,6 @@
 """One ROCKETKV engine run for ``test_model_runner_v2.py``, in its own process:
 
-    python tests/model_runner_child.py {v1,v2} {preempt,triton,torch,hybrid} OUT.json
+    python tests/model_runner_child.py {v1,v2,v2-async} {preempt,triton,torch,hybrid} OUT.json
 
 ``v2`` runs vLLM's Model Runner V2, NVIDIA's default: vLLM's CPU build has
 it (``vllm/v1/worker/cpu/model_runner.py``) but turns it down unless Triton
@@ -8,11 +8,15 @@ has a CPU backend, because the runner prepares its inputs and samples in
 Triton kernels. Here Triton's interpreter runs them (``TRITON_INTERPRET=1``),
 so no driver is ever used, and Triton's NVIDIA backend is entered under the
 name "cpu" only so that vLLM's import-time check finds a backend. This has
-to happen before vLLM is imported, hence a process of its own. ``v1`` runs
-the V1 runner of vLLM's CPU build, as every other engine test does.
+to happen before vLLM is imported, hence a process of its own. ``v2-async``
+adds NVIDIA's other default, async scheduling (vLLM's ``AsyncScheduler``
+schedules a step while the one before it runs), which vLLM's CPU platform
+turns off: its config hook is wrapped to turn it back on. ``v1`` runs the V1
+runner of vLLM's CPU build, as every other engine test does.
 
 Scenarios (each writes the completions, their prefix-cache hits, the
-preemptions, ROCKETKV's counters and the runner's module to OUT.json):
+preemptions, ROCKETKV's counters, the runner's module and the scheduler's
+class to OUT.json):
 
 * ``preempt``: SmolLM2, six requests through three request slots (slots are
   taken again by later requests), a per-request budget of 1024 and one of 0
@@ -43,14 +47,27 @@ def _setup(runner: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker here
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if runner == "v2":
+    if runner in ("v2", "v2-async"):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         os.environ["TRITON_INTERPRET"] = "1"
         import triton.backends
 
         triton.backends.backends.setdefault("cpu", triton.backends.backends["nvidia"])
-    else:
+    elif runner == "v1":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    else:
+        raise SystemExit(f"unknown runner {runner!r}")
+    if runner == "v2-async":
+        from vllm.platforms.cpu import CpuPlatform
+
+        platform_hook = CpuPlatform.check_and_update_config.__func__
+
+        def with_async_scheduling(cls, vllm_config):
+            platform_hook(cls, vllm_config)  # sets async_scheduling False
+            # vLLM reads it after this hook ("the platform has the last word").
+            vllm_config.scheduler_config.async_scheduling = True
+
+        CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
 
 
 def _preempt_scenario():
@@ -198,6 +215,7 @@ def run(runner: str, scenario: str) -> dict:
     counters = state.counters
     result = {
         "runner": type(model_runner).__module__,
+        "scheduler": type(scheduler).__name__,
         "outputs": [done[str(i)] for i in range(len(requests))],
         "cached_tokens": [cached[str(i)] for i in range(len(requests))],
         "preemptions": preemptions,
