@@ -109,10 +109,11 @@ def test_preempted_compressed_request_and_reused_slots_match_v1(tmp_path):
         assert v2[key] == v1[key], key
 
     # Under async scheduling the cache runs short a few steps apart, so the
-    # compressed request 1 is preempted too, with other tokens generated. A resumed request selects its pages anew (selections
-    # are reused every second step here), so after the earlier of the two
-    # preemptions its logprobs may differ (by up to 0.03) though its tokens
-    # do not. Every other request's match, and so do the counts.
+    # compressed request 1 is preempted too, with other tokens generated. A
+    # resumed request selects its pages anew (selections are reused every
+    # second step here), so after the earlier of the two preemptions its
+    # logprobs may differ (by up to 0.03) though its tokens do not. Every
+    # other request's match, and so do the counts.
     assert "1" in _preempted_while_decoding(v2_async)
     for i, (got, want) in enumerate(zip(v2_async["outputs"], v1["outputs"])):
         assert got[0] == want[0], i
