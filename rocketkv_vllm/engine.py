@@ -325,6 +325,12 @@ def unsupported_model_reasons(model_config) -> list[str]:
         )
     if model_config.use_mla:
         reasons.append("MLA models")
+    soft_cap = getattr(model_config.hf_text_config, "attn_logit_softcapping", None)
+    if soft_cap:
+        reasons.append(
+            f"attention logit soft-capping (attn_logit_softcapping={soft_cap}, e.g. "
+            "Gemma 2): Stage 1 and Stage 2 score uncapped logits"
+        )
     return reasons
 
 

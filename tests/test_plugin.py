@@ -69,6 +69,8 @@ def _selector(**kw):
         (dict(head_size=72), "head_size not supported"),
         (dict(block_size=8), "block_size not supported"),
         (dict(use_mla=True), "MLA not supported"),
+        # multimodal Gemma 3 / PaliGemma: image tokens attend both ways
+        (dict(use_mm_prefix=True), "partial multimodal token full attention not supported"),
     ],
 )
 def test_vllm_backend_validation_runs_on_cpu_and_names_rocketkv(bad, reason):
@@ -201,6 +203,24 @@ def _chunked_local_llama():
     )
 
 
+def _gemma2():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=64,
+        attn_logit_softcapping=50.0,
+        max_position_embeddings=8192,
+        architectures=["Gemma2ForCausalLM"],
+    )
+
+
 def _mamba_hybrid():
     from transformers import JambaConfig
 
@@ -228,6 +248,7 @@ def _mamba_hybrid():
     [
         (_chunked_local_llama, "chunked local attention (attention_chunk_size"),
         (_mamba_hybrid, "hybrid models with Mamba / linear-attention layers"),
+        (_gemma2, "attention logit soft-capping (attn_logit_softcapping=50.0, e.g. Gemma 2)"),
     ],
 )
 def test_unsupported_model_kinds_are_refused_at_startup(tmp_path, make_config, reason):

@@ -85,16 +85,22 @@ class RocketKVImpl(AttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
+        # What a model's layer asks that ROCKETKV's stages do not compute
+        # (most models that ask are refused earlier, from their config:
+        # engine.unsupported_model_reasons).
         unsupported = {
-            "alibi_slopes": alibi_slopes is not None,
-            "sliding_window": sliding_window is not None,
-            "logits_soft_cap": bool(logits_soft_cap),
+            "ALiBi position biases": alibi_slopes is not None,
+            "a sliding window on a compressed layer": sliding_window is not None,
+            f"attention logit soft-capping ({logits_soft_cap})": bool(logits_soft_cap),
             "KV sharing across layers": kv_sharing_target_layer_name is not None,
             f"attention type {attn_type}": attn_type != AttentionType.DECODER,
         }
         bad = [name for name, used in unsupported.items() if used]
         if bad:
-            raise NotImplementedError(f"ROCKETKV does not support: {', '.join(bad)}")
+            raise NotImplementedError(
+                f"ROCKETKV attention backend does not support: {', '.join(bad)}; serve "
+                "this model with vLLM's own backend"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
