@@ -118,9 +118,13 @@ class PrefixCacheAccount:
 # from the engine core to the API server with the rest (msgspec, typed) and
 # reads only by its own stage names (``KV_FETCH_STAGES``). SchedulerStats
 # has no free slot, and an attribute of our own would not survive the
-# serialization. The entries are the account's non-zero fields, as running
-# totals, under this prefix; the stat logger takes them out before vLLM's
-# loggers look at the dict.
+# serialization. The entries are what each field gained since the
+# scheduler's previous stats (fields that did not move are left out), under
+# this prefix; the stat logger adds them to its counters and takes them out
+# before vLLM's loggers look at the dict. Gains, not running totals: vLLM
+# sends each stats object to one API server only, and with several (``vllm
+# serve -dp N`` starts N) an engine's stats reach them in turn, so only
+# gains add up to the engine's account across the servers' counters.
 ACCOUNT_KEY_PREFIX = "rocketkv:"
 ACCOUNT_FIELDS = tuple(f.name for f in fields(PrefixCacheAccount))
 
@@ -140,31 +144,33 @@ def _warn_once(what: str, error: str) -> None:
 
 
 def attach_account(stats, kv_cache_manager) -> None:
-    """Add the scheduler's account to the SchedulerStats it just made
-    (``Scheduler.make_stats``, ``vllm_patches``). Never raises: an error is
-    logged once and the stats go out without the account."""
+    """Add to the SchedulerStats the scheduler just made
+    (``Scheduler.make_stats``, ``vllm_patches``) what its account gained
+    since the stats before. Never raises: an error is logged once and the
+    stats go out without the account (its gains ride in later stats)."""
     try:
         manager = rocketkv_manager(kv_cache_manager)
         if manager is None or stats is None:
             return
-        account = manager.prefix_account
+        account, sent = manager.prefix_account, manager.account_sent
         entries = {}
         for name in ACCOUNT_FIELDS:
-            value = getattr(account, name)
-            if type(value) is not int or value < 0:
-                raise TypeError(f"account field {name} = {value!r}")
-            if value:
-                entries[ACCOUNT_KEY_PREFIX + name] = value
+            value, before = getattr(account, name), getattr(sent, name)
+            if type(value) is not int or value < before:
+                raise TypeError(f"account field {name} = {value!r} (sent {before})")
+            if value > before:
+                entries[ACCOUNT_KEY_PREFIX + name] = value - before
         if entries:  # a new dict: never the scheduler's own
             stats.num_kv_fetch_reqs_by_stage = {**stats.num_kv_fetch_reqs_by_stage, **entries}
+            manager.account_sent = replace(account)
     except Exception as e:  # noqa: BLE001 - metrics must never stop the scheduler
         _warn_once("could not attach the prefix-cache account to the scheduler stats", repr(e))
 
 
 def take_account(stats) -> dict[str, int]:
     """Take the account out of a SchedulerStats (the API server's stat
-    logger): the fields it carries, running totals. Entries that are not a
-    known field with a non-negative int are dropped, logged once. Never
+    logger): the fields it carries and what each gained. Entries that are not
+    a known field with a non-negative int are dropped, logged once. Never
     raises."""
     try:
         carried = getattr(stats, "num_kv_fetch_reqs_by_stage", None)
@@ -210,6 +216,8 @@ class RocketKVManager(FullAttentionManager):
         # Each prompt chunk being scheduled: (tokens computed before, end).
         self._chunk_ends: dict[str, tuple[int, int]] = {}
         self.prefix_account = PrefixCacheAccount()
+        # What the scheduler's stats have carried of it (attach_account).
+        self.account_sent = PrefixCacheAccount()
         # Hit tokens the cap left unused, per request, from its latest lookup:
         # counted once the request is admitted with that hit (a request that
         # waits is looked up again every step).

@@ -15,9 +15,10 @@ parallel, Ray, several API servers with Prometheus multiprocess mode). The
 one exception is what only the scheduler knows, how much of a prefix-cache
 hit ROCKETKV did not use, and the host tier's stores and loads: its account
 (``kv_cache.PrefixCacheAccount``) rides in vLLM's own SchedulerStats, which
-every engine core sends to the API server with its outputs, so it reaches
-this logger with vLLM's ``engine_idx`` (the engine's data-parallel index)
-wherever the engine runs. No file: a shared folder could stop an engine or
+every engine core sends to one API server with its outputs, as what it
+gained since the stats before (so several API servers' counters add up), and
+reaches this logger with vLLM's ``engine_idx`` (the engine's data-parallel
+index) wherever the engine runs. No file: a shared folder could stop an engine or
 the server and was open to other local users. Reading it never raises; a
 malformed entry is dropped and logged once.
 
@@ -283,7 +284,6 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             field: per_engine(Counter(name=name, documentation=doc, labelnames=labelnames))
             for field, (name, doc) in fields.items()
         }
-        self._accounted: dict[tuple[int, str], int] = {}
         info = self.settings.as_dict()
         info_gauge = Gauge(
             name="rocketkv:config_info",
@@ -326,16 +326,10 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
 
     def _record_account(self, engine_idx: int, account: dict[str, int]) -> None:
         """The scheduler's prefix-cache account (``kv_cache``), carried by
-        its stats as running totals (fields still 0 are left out): counters
-        move by what it added since the last stats."""
+        its stats as what each field gained since its stats before."""
         for field, counters in self.account_counters.items():
-            if field not in account:
-                continue
-            value = account[field]
-            seen = self._accounted.get((engine_idx, field), 0)
-            if value > seen:
-                counters[engine_idx].inc(value - seen)
-            self._accounted[engine_idx, field] = value
+            if account.get(field):
+                counters[engine_idx].inc(account[field])
 
     def _record_prompt(self, out: RequestOutputFact, plan: RequestPlan, engine_idx: int) -> None:
         acc = account_prompt(self.settings, plan)

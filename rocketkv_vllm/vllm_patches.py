@@ -776,6 +776,7 @@ RELIED_ON: tuple[Relied, ...] = (
             "settings",
             "plans",
             "prefix_account",
+            "account_sent",
             "track",
             "plan_of",
             "plan_of_request",

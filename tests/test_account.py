@@ -154,7 +154,7 @@ def shared_tmp(monkeypatch):
 
 def test_the_account_rides_in_vllms_scheduler_stats(logged, shared_tmp):
     """make_stats -> vLLM's encoder -> decoder -> stat logger: every account
-    counter moves by its total, once however often the same totals come;
+    counter moves by its total, once however often stats are made;
     vLLM's own stats are untouched and the account is gone from them before
     vLLM's loggers (next in line) see them; no file is written."""
     from vllm.v1.metrics.stats import KV_FETCH_STAGES
@@ -176,12 +176,32 @@ def test_the_account_rides_in_vllms_scheduler_stats(logged, shared_tmp):
     assert scheduler._kv_fetch_counts == {KV_FETCH_STAGES[1]: 1}  # the scheduler's own
     for field, (name, _) in ACCOUNT_COUNTERS.items():
         assert _sample(name + "_total") == account[field], field
-    # The totals grow: the counter moves by the difference.
+    # The account grows: the next stats carry the gain.
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     manager.prefix_account.tokens_recomputed += 7
     stat_logger.record(*_to_api_server(_make_stats(scheduler), 0)[:1], None, engine_idx=0)
     assert _sample("rocketkv:prefix_tokens_recomputed_total") == account["tokens_recomputed"] + 7
     assert list(shared_tmp.iterdir()) == [] and logged == []
+
+
+def test_api_servers_that_get_an_engines_stats_in_turn_add_up_to_its_account(logged, shared_tmp):
+    """vLLM sends each stats object to one API server, the one of the first
+    request in the step's outputs; ``vllm serve -dp N`` starts N servers, so
+    one engine's stats reach them in turn, and Prometheus sums the servers'
+    counters. Each server here is a fresh stat logger (its counters start at
+    0, as in a process of its own) getting one of three stats: the stats
+    carry what the account gained, so the servers' counters add up to it."""
+    scheduler = _scheduler(_manager(tokens_recomputed=32))
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    per_server = []
+    for gain in (0, 7, 5):
+        manager.prefix_account.tokens_recomputed += gain
+        stats, engine_idx = _to_api_server(_make_stats(scheduler), 0)
+        _stat_logger().record(stats, None, engine_idx=engine_idx)
+        per_server.append(_sample("rocketkv:prefix_tokens_recomputed_total"))
+    assert per_server == [32, 7, 5]
+    assert sum(per_server) == manager.prefix_account.tokens_recomputed == 44
+    assert logged == []
 
 
 def test_two_data_parallel_engines_are_counted_apart(logged, shared_tmp):

@@ -121,9 +121,11 @@ def test_pipeline_parallel_2_matches_one_process(model_path, samples, one_proces
 
 
 def test_data_parallel_2_server_matches_one_process(model_path, tokenizer, samples, one_process):
-    """``vllm serve -dp 2``: two engine cores behind one API server, each with
-    its own scheduler and worker. Requests sent at once give one process's
-    tokens, and the rocketkv:* counters carry each engine's own label and
+    """``vllm serve -dp 2`` as the console script runs it: two engine cores,
+    each with its own scheduler and worker, behind two API servers (vLLM's
+    default: one per engine), so Prometheus runs in multiprocess mode.
+    Requests sent at once give one process's tokens, and the rocketkv:*
+    counters, summed over the API servers, carry each engine's own label and
     add up to the requests."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -141,6 +143,7 @@ def test_data_parallel_2_server_matches_one_process(model_path, tokenizer, sampl
             "512",
         ],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per engine's worker
+        cli=True,
     )
     try:
         srv.wait_ready()
@@ -156,7 +159,8 @@ def test_data_parallel_2_server_matches_one_process(model_path, tokenizer, sampl
             texts = list(pool.map(complete, samples))
         metrics = srv.metrics()
     finally:
-        srv.stop()
+        log = srv.stop()
+    assert "Defaulting api_server_count to data_parallel_size (2)" in log
     assert texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in one_process]
     compressed = {
         labels["engine"]: value

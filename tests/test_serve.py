@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -39,15 +40,24 @@ class Server:
     """A ``vllm serve`` subprocess; stdout and stderr each go to a file."""
 
     def __init__(
-        self, model_path: str, rocketkv: dict | None = None, extra=(), env: dict | None = None
+        self,
+        model_path: str,
+        rocketkv: dict | None = None,
+        extra=(),
+        env: dict | None = None,
+        cli: bool = False,
     ):
+        """``cli``: through vLLM's console script (``vllm serve``), whose
+        launcher starts one API server per data-parallel engine; otherwise
+        the API server module (one API server)."""
         self.port = _free_port()
         self.model = model_path
+        if cli:
+            start = [sys.executable, str(Path(__file__).with_name("vllm_cli.py")), "serve"]
+        else:
+            start = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
         cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
+            *start,
             model_path,
             "--host",
             "127.0.0.1",
