@@ -325,13 +325,20 @@ def test_server_logs_each_compressed_prompt(metrics_server):
     assert "Avg prompt throughput" in log and "KV fetch" not in log
 
 
-def _stats_carrying(account):
-    """SchedulerStats as the scheduler makes them, with its account."""
+def _scheduler_account():
+    """What ROCKETKV's block manager keeps of its account: the account, and
+    what the scheduler's stats have carried of it."""
+    from rocketkv_vllm.kv_cache import PrefixCacheAccount
+
+    return SimpleNamespace(prefix_account=PrefixCacheAccount(), account_sent=PrefixCacheAccount())
+
+
+def _stats_carrying(manager):
+    """SchedulerStats as the scheduler makes them, with its account's gains."""
     from vllm.v1.metrics.stats import SchedulerStats
 
     from rocketkv_vllm.kv_cache import attach_account
 
-    manager = SimpleNamespace(prefix_account=account)
     stats = SchedulerStats()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("rocketkv_vllm.kv_cache.rocketkv_manager", lambda kv_cache_manager: manager)
@@ -343,10 +350,10 @@ def test_the_schedulers_prefix_cache_account_reaches_the_counter():
     """What only the scheduler knows (tokens of a prefix hit ROCKETKV did
     not use) travels in its account, inside vLLM's scheduler stats
     (``kv_cache.attach_account``; the round trip through vLLM's encoder:
-    test_account); the stat logger adds what is new since the last stats."""
+    test_account) as what it gained since the stats before; the stat logger
+    adds that."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from rocketkv_vllm.kv_cache import PrefixCacheAccount
     from rocketkv_vllm.metrics import RocketKVStatLogger, unregister_rocketkv_metrics
     from rocketkv_vllm.plugin import register
 
@@ -355,17 +362,18 @@ def test_the_schedulers_prefix_cache_account_reaches_the_counter():
     config = _fake_vllm_config(AttentionBackendEnum.CUSTOM)
     stat_logger = RocketKVStatLogger(config, [0])
     name = "rocketkv:prefix_tokens_recomputed_total"
-    account = PrefixCacheAccount()
-    stat_logger.record(_stats_carrying(account), None, engine_idx=0)  # nothing yet
+    manager = _scheduler_account()
+    account = manager.prefix_account
+    stat_logger.record(_stats_carrying(manager), None, engine_idx=0)  # nothing yet
     assert _sample(name) == 0
     account.tokens_recomputed = 32
-    stat_logger.record(_stats_carrying(account), None, engine_idx=0)
-    stat_logger.record(_stats_carrying(account), None, engine_idx=0)  # same total: once
+    stat_logger.record(_stats_carrying(manager), None, engine_idx=0)
+    stat_logger.record(_stats_carrying(manager), None, engine_idx=0)  # no gain: once
     assert _sample(name) == 32
     account.tokens_recomputed = 96
     stat_logger.record(None, None, engine_idx=0)  # no scheduler stats: nothing new
     assert _sample(name) == 32
-    stat_logger.record(_stats_carrying(account), None, engine_idx=0)
+    stat_logger.record(_stats_carrying(manager), None, engine_idx=0)
     assert _sample(name) == 96
     assert _sample("rocketkv:host_blocks_stored_total") is None  # no host tier, no counter
     unregister_rocketkv_metrics()
@@ -377,7 +385,6 @@ def test_the_host_tiers_account_reaches_its_counters():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from rocketkv_vllm.host_tier import CONNECTOR_NAME
-    from rocketkv_vllm.kv_cache import PrefixCacheAccount
     from rocketkv_vllm.metrics import (
         ACCOUNT_COUNTERS,
         RocketKVStatLogger,
@@ -389,12 +396,12 @@ def test_the_host_tiers_account_reaches_its_counters():
     unregister_rocketkv_metrics()
     config = _fake_vllm_config(AttentionBackendEnum.CUSTOM, kv_connector=CONNECTOR_NAME)
     stat_logger = RocketKVStatLogger(config, [0])
-    account = PrefixCacheAccount()
+    manager = _scheduler_account()
     fields = [f for f in ACCOUNT_COUNTERS if f.startswith("host_")]
     assert len(fields) == 7
     for i, field in enumerate(fields):
-        setattr(account, field, 10 * (i + 1))
-    stat_logger.record(_stats_carrying(account), None, engine_idx=0)
+        setattr(manager.prefix_account, field, 10 * (i + 1))
+    stat_logger.record(_stats_carrying(manager), None, engine_idx=0)
     for i, field in enumerate(fields):
         assert _sample(ACCOUNT_COUNTERS[field][0] + "_total") == 10 * (i + 1), field
     unregister_rocketkv_metrics()
