@@ -54,6 +54,7 @@ class Run:
     outs: dict[str, Out] = field(default_factory=dict)
     # case 4: prefill state of B in the step where A's prompt ended
     b_prefilling_when_a_compacted: bool | None = None
+    reset: bool | None = None  # what LLM.reset_prefix_cache() answered (case 7)
     account: object = None
     blocks: dict = field(default_factory=dict)  # (request id, block) -> K/V per layer
     free_at_start: int = 0
@@ -92,7 +93,14 @@ def _cases(tokenizer):
         ],
         # 6. parallel sampling
         [("n2", ask(doc, 2), {"n": 2})],
+        # 7. the cache reset (LLM.reset_prefix_cache, as RL trainers call it
+        # after a weight update), then the prompt of case 1 once more
+        RESET,
+        [("after-reset", needle, {})],
     ]
+
+
+RESET: list = []  # a group that resets the prefix cache instead
 
 
 def _hashes(llm, ids):
@@ -169,6 +177,9 @@ def _run(llm, groups, chats, record_blocks: bool) -> Run:
                     record(o.request_id, list(o.prompt_token_ids))
 
     for group in groups:
+        if group is RESET:
+            run.reset = llm.reset_prefix_cache()
+            continue
         for rid, ids, extra in group:
             engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params(extra))
         while engine.has_unfinished_requests():
@@ -317,6 +328,17 @@ def test_later_requests_are_served_from_the_cache(runs):
     account = runs["on"].account
     assert account.private_copies > 0 and account.blocks_preserved > 0
     assert account.tokens_recomputed > 0  # the window of the repeated prompt
+
+
+def test_a_reset_cache_serves_nothing_more_and_the_prompt_is_recomputed_alike(runs):
+    """After everything above (preserved targets, given-back blocks still
+    hashed, a host of cached prefixes), vLLM's reset succeeds with nothing
+    running, the next request hits nothing, and its recomputed compression
+    gives the first run's tokens (and caching-off's: the test above)."""
+    on = runs["on"]
+    assert on.reset is True
+    assert on.outs["after-reset"].cached == 0
+    assert on.outs["after-reset"].tokens == on.outs["same-1"].tokens
 
 
 def test_a_request_compacts_while_another_still_prefills_the_shared_prefix(runs):
