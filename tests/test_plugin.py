@@ -187,36 +187,32 @@ def _config_only_model(tmp_path, config) -> str:
     return str(tmp_path)
 
 
+# A 2-layer attention geometry the configs below share (no weights are made).
+_TINY = dict(
+    vocab_size=49152,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=8192,
+)
+
+
 def _chunked_local_llama():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        attention_chunk_size=64,
-        max_position_embeddings=8192,
-        architectures=["LlamaForCausalLM"],
-    )
+    return LlamaConfig(**_TINY, attention_chunk_size=64, architectures=["LlamaForCausalLM"])
 
 
 def _gemma2():
     from transformers import Gemma2Config
 
     return Gemma2Config(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **_TINY,
         head_dim=64,
         sliding_window=64,
         attn_logit_softcapping=50.0,
-        max_position_embeddings=8192,
         architectures=["Gemma2ForCausalLM"],
     )
 
