@@ -153,6 +153,25 @@ def test_kv_offloading_is_served_by_the_host_tier_only(model_path):
     assert "lazy_offload" in refused(kv_transfer_config=lazy)
 
 
+@pytest.mark.parametrize(
+    "kw,reason",
+    [
+        (
+            dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+            "speculative decoding (drafts would be verified",
+        ),
+        # DCP needs more TP ranks than KV heads (SmolLM2: 3) in vLLM's own check.
+        (dict(decode_context_parallel_size=3, tensor_parallel_size=9), "decode context parallel"),
+    ],
+)
+def test_engine_features_rocketkv_cannot_serve_are_refused_at_startup(model_path, kw, reason):
+    register()
+    with pytest.raises(Exception) as err:
+        _engine_config(model_path, **kw)
+    assert "ROCKETKV attention backend does not support" in str(err.value)
+    assert reason in str(err.value)
+
+
 def test_pipeline_parallel_in_eager_mode_is_refused_on_cpu(model_path, monkeypatch):
     """vLLM 0.32's CPU worker fails a later pipeline rank's first request in
     eager mode (any backend): refused at startup, naming the fix; the traced
