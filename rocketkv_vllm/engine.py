@@ -334,19 +334,29 @@ def unsupported_model_reasons(model_config) -> list[str]:
     return reasons
 
 
-def check_kv_cache_spec(kv_cache_spec: dict) -> None:
+def check_kv_cache_spec(kv_cache_spec: dict, vllm_config) -> None:
     """A ROCKETKV engine's layers, as vLLM specced them: at least one is
-    ROCKETKV's (sliding-window layers run in vLLM's native backend)."""
+    ROCKETKV's (sliding-window layers run in vLLM's native backend), and
+    beside other kinds only with vLLM's hybrid KV cache manager, which
+    keeps ROCKETKV's layers in a block table of their own."""
     from rocketkv_vllm.kv_cache import RocketKVAttentionSpec
 
-    if kv_cache_spec and not any(
-        isinstance(spec, RocketKVAttentionSpec) for spec in kv_cache_spec.values()
-    ):
-        kinds = sorted({type(spec).__name__ for spec in kv_cache_spec.values()})
+    kinds = sorted({type(spec).__name__ for spec in kv_cache_spec.values()})
+    if kv_cache_spec and RocketKVAttentionSpec.__name__ not in kinds:
         raise ValueError(
             "ROCKETKV attention backend compresses full-attention layers, and this "
             f"model has none (its KV cache layers: {', '.join(kinds)}); serve it "
             "with vLLM's own backend"
+        )
+    if len(kinds) > 1 and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        # vLLM would then allocate every layer as full attention in one block
+        # table: Stage 1 could give back no block, nor cap a prefix hit.
+        raise ValueError(
+            "ROCKETKV attention backend does not support: vLLM's hybrid KV cache "
+            "manager turned off (disable_hybrid_kv_cache_manager=True, from "
+            "--disable-hybrid-kv-cache-manager or a KV connector without hybrid "
+            f"support) on a model whose KV cache layers are of several kinds "
+            f"({', '.join(kinds)}); leave the hybrid KV cache manager on"
         )
 
 

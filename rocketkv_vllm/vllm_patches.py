@@ -328,7 +328,7 @@ def _get_kv_cache_spec(original):
         # RocketKVBackend.customize_spec reads the engine's settings from it.
         with set_current_vllm_config(self.vllm_config):
             spec = original(self)
-        check_kv_cache_spec(spec)
+        check_kv_cache_spec(spec, self.vllm_config)
         return spec
 
     return get_kv_cache_spec

@@ -180,7 +180,7 @@ def _run(llm, record_blocks: bool, chat_from: Run | None = None) -> Run:
     return run
 
 
-def _engine(model, backend, caching, rocketkv=None, testing=None):
+def _engine(model, backend, caching, rocketkv=None, testing=None, **kw):
     return make_llm(
         model,
         backend,
@@ -191,6 +191,7 @@ def _engine(model, backend, caching, rocketkv=None, testing=None):
         max_num_batched_tokens=256,
         block_size=BS,
         enable_prefix_caching=caching,
+        **kw,
     )
 
 
@@ -316,6 +317,17 @@ def test_cached_blocks_of_every_group_hold_dense_kv(runs):
 def test_no_block_leaks(runs):
     for run in runs.values():
         assert run.free_at_end == run.free_at_start
+
+
+def test_the_hybrid_kv_cache_manager_turned_off_is_refused(tiny_gemma3):
+    """Without vLLM's hybrid KV cache manager every layer shares one block
+    table of full-attention blocks: Stage 1 could give none back, and a
+    prefix hit was not capped below the observation window (the engine
+    died at the next turn). Refused when the KV cache spec is built."""
+    with pytest.raises(Exception) as err:
+        _engine(tiny_gemma3, "ROCKETKV", True, SETTINGS, disable_hybrid_kv_cache_manager=True)
+    assert "hybrid KV cache manager turned off" in str(err.value)
+    assert "RocketKVAttentionSpec, SlidingWindowSpec" in str(err.value)
 
 
 def test_a_model_without_full_attention_layers_is_refused(tiny_gemma3, tmp_path):
