@@ -1,0 +1,551 @@
+"""Fault campaign for the host tier and the scheduler (issue 36).
+
+1. An abort storm with preemptions on a ROCKETKV engine with a host tier,
+   in process: requests of compressed documents (a device pool for about
+   two of them, a host tier for a few) are added in waves; at random steps
+   some are aborted while waiting, prefilling or decoding. Every request
+   either completes with all its tokens or was aborted by us (nothing lost,
+   nothing errored), preemptions happen, and the device and host pools end
+   at their starting free counts. Requests carry their own budgets (0:
+   uncompressed) or the engine's, some ask for 2 parallel samples, and some
+   are a chat's next turn (a finished request's prompt and answer, then a
+   new message).
+   ``--oracle``: every completed request is then run alone on an engine
+   without prefix caching, host tier or preemption, and each sample's
+   tokens and logprobs must be the lone run's (``oracle_check``): silent
+   wrongness from hits, host loads, preemptions or batching shows there.
+2. Servers (``--servers``): two ROCKETKV ``vllm serve`` processes with host
+   tiers on one machine at once, the second run by another local user
+   (``--second-user UID``: setpriv; this Python, the venv and the model must
+   be readable by that user); the first is killed with SIGKILL (its whole
+   process group) while requests are in flight and restarted on the same
+   port. Requests in flight on the killed server get an error, every other
+   request completes, and both servers' /metrics carry the rocketkv:*
+   counters (the scheduler's account travels in vLLM's own stats: no file
+   or folder is shared between servers or users).
+
+    .venv/bin/python scripts/fault_campaign.py --servers --second-user 65534 \
+        --json results/fault-campaign-cpu.json
+    .venv/bin/python scripts/fault_campaign.py --oracle \
+        --json results/fault-campaign-oracle-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+# SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes a token.
+SMOLLM2_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
+
+MAX_MODEL_LEN = 2100
+
+# Per model: the storm's pool (about two of its long requests at once) and
+# host tier, and a lone run's cache (two of the longest requests).
+MODELS = {
+    "smollm2": dict(
+        storm=dict(kv_cache_memory_bytes=SMOLLM2_BYTES_PER_TOKEN * 2800, kv_offloading_size=0.1),
+        alone=dict(kv_cache_memory_bytes=SMOLLM2_BYTES_PER_TOKEN * 4200),
+    ),
+    # Hybrid: 2 full-attention layers and 4 sliding-window layers of 64
+    # tokens, three KV cache groups of 2 layers drawing on one pool (a
+    # 1,000-token request holds ~32 full-attention blocks, a few sliding).
+    "tiny-gemma3": dict(
+        storm=dict(
+            kv_cache_memory_bytes=1 << 27, num_gpu_blocks_override=110, kv_offloading_size=0.02
+        ),
+        alone=dict(kv_cache_memory_bytes=1 << 27, num_gpu_blocks_override=400),
+    ),
+}
+
+
+def _model_path(model: str) -> str:
+    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.tiny_model import prepare_tiny_gemma3
+
+    return prepare_default_model() if model == "smollm2" else prepare_tiny_gemma3()
+
+
+def _engine(model: str, role: str, **kw):
+    from vllm import LLM
+
+    return LLM(
+        model=_model_path(model),
+        attention_backend="ROCKETKV",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=32,
+        additional_config={"rocketkv": {"prompt_budget": 256}},
+        **MODELS[model][role],
+        **kw,
+    )
+
+
+def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_eval.engines import scheduler
+
+    llm = _engine(model, "storm", max_num_batched_tokens=256, max_num_seqs=8)
+    engine = llm.llm_engine
+    sched = scheduler(llm)
+    pool = sched.kv_cache_manager.block_pool
+    host_pool = sched.connector.scheduler_manager.cpu_block_pool
+    free_at_start = pool.get_num_free_blocks()
+    rng = random.Random(seed)
+    documents = [[rng.randrange(100, 40000) for _ in range(1800)] for _ in range(6)]
+
+    live: dict[str, int] = {}  # request id -> max_tokens
+    records: dict[str, dict] = {}  # completed request id -> what was asked and answered
+    asked: dict[str, dict] = {}
+    done: dict[str, int] = {}  # request id -> tokens produced
+    aborted: set[str] = set()
+    preempted: dict[str, int] = {}  # internal request id -> its preemptions so far
+    errors: list[str] = []
+    added = 0
+    steps = 0
+    started = time.perf_counter()
+    while added < num_requests or live:
+        while added < num_requests and len(live) < 12 and rng.random() < 0.5:
+            doc = documents[rng.randrange(len(documents))]
+            # Shared documents with other tails: prefix hits on the device and the host.
+            prompt = doc[: rng.randrange(400, 1000)] + [rng.randrange(100, 40000)] * 40
+            turn_of = None
+            if records and rng.random() < 0.3:
+                # A chat's next turn: a finished request's prompt and answer, a new
+                # message; hits must stop where the compressed answer began.
+                turn_of = rng.choice(sorted(records))
+                turn = records[turn_of]
+                after = turn["prompt"] + turn["outputs"][0]["tokens"] + prompt[-40:]
+                if len(after) <= MAX_MODEL_LEN - 100:
+                    prompt = after
+                else:
+                    turn_of = None
+            max_tokens = min(rng.randrange(100, 400), MAX_MODEL_LEN - len(prompt))
+            # Own budgets (0: uncompressed) and parallel samples beside the engine's.
+            budget = [None, 0, None, 128, None, 512][added % 6]
+            n = 2 if added % 5 == 2 else 1
+            rid = f"req-{added}"
+            engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=prompt), _params(max_tokens, budget, n)
+            )
+            live[rid] = max_tokens
+            asked[rid] = dict(
+                prompt=prompt, max_tokens=max_tokens, budget=budget, n=n, turn_of=turn_of
+            )
+            added += 1
+        # The storm: a third of the requests aborted, at any stage.
+        if live and len(aborted) < num_requests // 3 and rng.random() < 0.04:
+            victim = rng.choice(sorted(live))
+            engine.abort_request([victim])
+            aborted.add(victim)
+            del live[victim]
+        for request in sched.requests.values():
+            preempted[request.request_id] = request.num_preemptions
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                produced = [len(sample.token_ids) for sample in out.outputs]
+                if produced != [live[out.request_id]] * asked[out.request_id]["n"]:
+                    errors.append(f"{out.request_id}: {produced} of {live[out.request_id]} tokens")
+                done[out.request_id] = produced
+                records[out.request_id] = dict(
+                    asked[out.request_id],
+                    outputs=_traces(out),
+                    cached=out.num_cached_tokens or 0,
+                    preemptions=sum(
+                        count
+                        for internal, count in preempted.items()
+                        if _caller_id(internal) == out.request_id
+                    ),
+                )
+                del live[out.request_id]
+        steps += 1
+        if steps > 20000:
+            errors.append("did not finish")
+            break
+    free_at_end = pool.get_num_free_blocks()
+    host_in_use = sum(b.ref_cnt for b in host_pool.blocks)
+    result = {
+        "requests": num_requests,
+        "completed": len(done),
+        "aborted": len(aborted),
+        "lost": num_requests - len(done) - len(aborted),
+        "errors": errors,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - started, 1),
+        "device_free_at_start": free_at_start,
+        "device_free_at_end": free_at_end,
+        "host_blocks_in_use_at_end": host_in_use,
+        "preemptions": sum(preempted.values()),
+        "host_account": {
+            k: v
+            for k, v in vars(sched.connector.scheduler_manager.rocketkv.prefix_account).items()
+            if k.startswith("host_")
+        },
+    }
+    result["ok"] = (
+        not errors
+        and result["lost"] == 0
+        and result["preemptions"] > 0
+        and free_at_end == free_at_start
+        and host_in_use == 0
+    )
+    llm.llm_engine.engine_core.shutdown()
+    return result, records
+
+
+def _caller_id(internal: str) -> str:
+    """The id a request was added under, from vLLM's internal id of it or of
+    one of its parallel samples ("<index>_<id>-<8 random chars>")."""
+    return internal.rsplit("-", 1)[0].split("_", 1)[-1]
+
+
+def _params(max_tokens: int, budget: int | None, n: int):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    extra = None if budget is None else {"rocketkv_token_budget": budget}
+    # vLLM refuses n > 1 with greedy sampling; top-k 1 samples greedily too.
+    return SamplingParams(
+        temperature=1.0,
+        top_k=1,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        n=n,
+        logprobs=2,
+        extra_args=extra,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # all n samples at once
+    )
+
+
+def _traces(out) -> list[dict]:
+    """Each sample's tokens, their logprobs and the gap between the two
+    likeliest tokens at each position."""
+    traces = []
+    for sample in out.outputs:
+        chosen, gaps = [], []
+        for token, top in zip(sample.token_ids, sample.logprobs):
+            chosen.append(top[token].logprob)
+            best = sorted((lp.logprob for lp in top.values()), reverse=True)
+            gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+        traces.append(dict(tokens=list(sample.token_ids), logprobs=chosen, gaps=gaps))
+    return traces
+
+
+def _lone_runs(records: dict[str, dict], chunk: int, model: str) -> dict[str, dict]:
+    """Each request alone (one sample) on a fresh engine with this chunk size."""
+    from vllm.inputs import TokensPrompt
+
+    llm = _engine(
+        model, "alone", max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False
+    )
+    runs = {}
+    for rid, record in records.items():
+        [alone] = llm.generate(
+            TokensPrompt(prompt_token_ids=record["prompt"]),
+            _params(record["max_tokens"], record["budget"], 1),
+            use_tqdm=False,
+        )
+        [runs[rid]] = _traces(alone)
+    llm.llm_engine.engine_core.shutdown()
+    return runs
+
+
+def _difference(
+    got: dict, ref: dict, tie: float, tolerance: float
+) -> tuple[str | None, int, float]:
+    """What sets a sample apart from a lone run: None, "tie" (the tokens part
+    after a near tie of the lone run's two likeliest tokens) or a finding;
+    the tokens compared and the largest logprob difference up to there."""
+    upto = next(
+        (i for i, (a, b) in enumerate(zip(got["tokens"], ref["tokens"])) if a != b),
+        len(ref["tokens"]),
+    )
+    drifts = [abs(a - b) for a, b in zip(got["logprobs"][:upto], ref["logprobs"][:upto])]
+    drift = max(drifts, default=0.0)
+    if drift > tolerance:
+        first = next(i for i, d in enumerate(drifts) if d > tolerance)
+        return f"logprob drift {drift:.2e} (above {tolerance} from token {first})", upto, drift
+    if upto < len(ref["tokens"]):
+        if ref["gaps"][upto] < tie:
+            return "tie", upto, drift
+        return f"token {upto} differs (gap {ref['gaps'][upto]:.3f})", upto, drift
+    return None, upto, drift
+
+
+def oracle_check(
+    records: dict[str, dict],
+    tie: float,
+    tolerance: float,
+    model: str = "smollm2",
+    other_chunks=(512, 96),
+) -> dict:
+    """Each completed request of the storm again, alone, on an engine without
+    prefix caching, host tier or preemption (a cache for the longest request),
+    in the storm's chunks (256 tokens): the storm's batching, cache hits, host
+    loads, preemptions and parallel samples must change no token, except
+    after a near tie of the lone run's two likeliest tokens, and no logprob
+    up to there. At small budgets float noise alone can flip a near tie in
+    Stage 1's choice of tokens (a lone run in chunks of 512 and one in chunks
+    of 96 differ so): a sample that differs is also compared with lone runs
+    in other chunk sizes, and is a finding only if it matches none."""
+    started = time.perf_counter()
+    order = sorted(records, key=lambda rid: int(rid.split("-")[1]))
+    lone = _lone_runs({rid: records[rid] for rid in order}, 256, model)
+    differing, ties, worst, compared = {}, [], 0.0, 0
+    for rid in order:
+        record = records[rid]
+        for k, got in enumerate(record["outputs"]):
+            where = (
+                f"{rid}/{k} (budget {record['budget']}, n {record['n']}, "
+                f"{len(record['prompt'])} prompt tokens, {record['cached']} cached, "
+                f"{record['preemptions']} preemptions)"
+            )
+            finding, upto, drift = _difference(got, lone[rid], tie, tolerance)
+            if finding == "tie":
+                ties.append(f"{where} at token {upto}")
+            elif finding:
+                differing.setdefault(rid, []).append((k, where, finding))
+            worst, compared = max(worst, drift), compared + upto
+    mismatches, chunking = [], []
+    if differing:
+        others = [
+            _lone_runs({rid: records[rid] for rid in differing}, c, model) for c in other_chunks
+        ]
+        for rid, samples in differing.items():
+            for k, where, finding in samples:
+                got = records[rid]["outputs"][k]
+                matched = [
+                    chunk
+                    for chunk, runs in zip(other_chunks, others)
+                    if _difference(got, runs[rid], tie, tolerance)[0] in (None, "tie")
+                ]
+                spread = _difference(lone[rid], others[0][rid], tie, tolerance)[0]
+                line = f"{where}: {finding} against chunks of 256"
+                if matched:
+                    chunking.append(
+                        f"{line}; matches the lone run in chunks of {matched[0]} "
+                        f"(chunks of 256 against {other_chunks[0]}: {spread or 'equal'})"
+                    )
+                else:
+                    mismatches.append(line + f"; matches no lone run in chunks of {other_chunks}")
+    return {
+        "requests": len(records),
+        "samples": sum(len(r["outputs"]) for r in records.values()),
+        "tokens_compared": compared,
+        "max_logprob_drift": worst,
+        "tie_divergences": ties,
+        "chunking_near_ties": chunking,
+        "mismatches": mismatches,
+        "seconds": round(time.perf_counter() - started, 1),
+        "ok": not mismatches,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_user(uid: int, model: str) -> tuple[list[str], dict, str]:
+    """The command prefix, environment and model path of a process run by
+    local user ``uid``, with a home of its own holding copies of the model
+    and of our built C++ kernel."""
+    home = tempfile.mkdtemp(prefix=f"rocketkv-user{uid}-")
+    built = os.path.expanduser("~/.cache/torch_extensions")
+    if os.path.isdir(built):
+        shutil.copytree(built, os.path.join(home, ".cache", "torch_extensions"))
+    model = shutil.copytree(model, os.path.join(home, "model"))
+    for root, dirs, files in os.walk(home):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.chown(name, uid, uid)
+    prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    return prefix, {"HOME": home, "XDG_CACHE_HOME": os.path.join(home, ".cache")}, model
+
+
+SERVED_NAME = "smollm2"
+
+
+def _start_server(model: str, port: int, log, user: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    prefix = []
+    if user is not None:
+        prefix, user_env, model = _as_user(user, model)
+        env |= user_env
+    cmd = prefix + [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--attention-backend", "ROCKETKV", "--max-model-len", "2100",
+        "--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 28),
+        "--kv-offloading-size", "0.1", "--max-num-seqs", "4",
+        "--additional-config", json.dumps({"rocketkv": {"prompt_budget": 256}}),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=log, stderr=log, env=env, start_new_session=True)
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, timeout: float = 600.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"server on port {port} not ready in {timeout} s")
+
+
+def _complete(port: int, tokens: list[int], max_tokens: int) -> str:
+    """'ok' with all tokens, else the error (what a client sees)."""
+    body = json.dumps(
+        {"model": SERVED_NAME, "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=600) as r:
+            out = json.loads(r.read())
+        n = out["usage"]["completion_tokens"]
+        return "ok" if n == max_tokens else f"{n} of {max_tokens} tokens"
+    except (OSError, urllib.error.HTTPError, ValueError) as e:
+        return f"error: {type(e).__name__}"
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+    )
+
+
+def servers(seed: int, second_user: int | None) -> dict:
+    from rocketkv_eval.model import prepare_default_model
+
+    model = prepare_default_model()
+    rng = random.Random(seed)
+    doc = [rng.randrange(100, 40000) for _ in range(1500)]
+    ports = {"a": _free_port(), "b": _free_port()}
+    logs = {
+        k: tempfile.NamedTemporaryFile("w+", prefix=f"fault-{k}-", suffix=".log") for k in ports
+    }
+    users = {"a": None, "b": second_user}
+    procs = {k: _start_server(model, ports[k], logs[k], users[k]) for k in ports}
+    result: dict = {
+        "ports": ports,
+        "uids": {k: os.getuid() if u is None else u for k, u in users.items()},
+    }
+    try:
+        started = time.perf_counter()
+        for k in ports:
+            _wait_ready(procs[k], ports[k])
+        result["start_seconds"] = round(time.perf_counter() - started, 1)
+        # Requests in flight on both; A is killed with SIGKILL meanwhile.
+        answers: dict[str, str] = {}
+
+        def ask(name: str, port: int, tail: int) -> None:
+            answers[name] = _complete(port, doc + [tail] * 20, 200)
+
+        threads = [
+            threading.Thread(target=ask, args=(f"{k}-{i}", ports[k], 30000 + i))
+            for k in ports
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(8)
+        os.killpg(procs["a"].pid, signal.SIGKILL)
+        procs["a"].wait()
+        for t in threads:
+            t.join()
+        result["in_flight"] = dict(sorted(answers.items()))
+        # A again, on the same port.
+        started = time.perf_counter()
+        procs["a"] = _start_server(model, ports["a"], logs["a"])
+        _wait_ready(procs["a"], ports["a"])
+        result["restart_seconds"] = round(time.perf_counter() - started, 1)
+        after = {
+            f"a-again-{i}": _complete(ports["a"], doc + [31000 + i] * 20, 16) for i in range(2)
+        }
+        after |= {
+            f"b-again-{i}": _complete(ports["b"], doc + [32000 + i] * 20, 16) for i in range(2)
+        }
+        result["after_restart"] = after
+        result["prompts_compressed"] = {
+            k: _metric(ports[k], "rocketkv:prompts_compressed_total") for k in ports
+        }
+        result["host_blocks_stored"] = {
+            k: _metric(ports[k], "rocketkv:host_blocks_stored_total") for k in ports
+        }
+        result["ok"] = (
+            all(v == "ok" for k, v in answers.items() if k.startswith("b-"))
+            and all(v == "ok" for v in after.values())
+            and all(v > 0 for v in result["prompts_compressed"].values())
+            and all(v > 0 for v in result["host_blocks_stored"].values())
+        )
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="storm's model")
+    parser.add_argument("--servers", action="store_true", help="also the server phase")
+    parser.add_argument("--second-user", type=int, default=None, help="uid of server B")
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also run each completed request alone and compare its tokens and logprobs",
+    )
+    parser.add_argument("--records", default=None, help="write the storm's requests and outputs")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    storm, records = abort_storm(args.requests, args.seed, args.model)
+    result = {"abort_storm": storm}
+    if args.records:
+        with open(args.records, "w") as f:
+            json.dump(records, f)
+    if args.oracle:
+        result["oracle"] = oracle_check(records, tie=1e-3, tolerance=1e-3, model=args.model)
+    if args.servers:
+        result["servers"] = servers(args.seed, args.second_user)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    raise SystemExit(0 if all(part["ok"] for part in result.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
