@@ -51,6 +51,7 @@ import urllib.request
 SMOLLM2_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
 
 MAX_MODEL_LEN = 2100
+CHUNK = 256  # the storm's prefill chunks, and the first lone run's
 
 # Per model: the storm's pool (about two of its long requests at once) and
 # host tier, and the lone runs' cache (four of the longest requests).
@@ -101,7 +102,7 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
 
     from rocketkv_eval.engines import scheduler
 
-    llm = _engine(model, "storm", max_num_batched_tokens=256, max_num_seqs=8)
+    llm = _engine(model, "storm", max_num_batched_tokens=CHUNK, max_num_seqs=8)
     engine = llm.llm_engine
     sched = scheduler(llm)
     pool = sched.kv_cache_manager.block_pool
@@ -113,7 +114,6 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
     live: dict[str, int] = {}  # request id -> max_tokens
     records: dict[str, dict] = {}  # completed request id -> what was asked and answered
     asked: dict[str, dict] = {}
-    done: dict[str, int] = {}  # request id -> tokens produced
     aborted: set[str] = set()
     preempted: dict[str, int] = {}  # internal request id -> its preemptions so far
     errors: list[str] = []
@@ -162,7 +162,6 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
                 produced = [len(sample.token_ids) for sample in out.outputs]
                 if produced != [live[out.request_id]] * asked[out.request_id]["n"]:
                     errors.append(f"{out.request_id}: {produced} of {live[out.request_id]} tokens")
-                done[out.request_id] = produced
                 records[out.request_id] = dict(
                     asked[out.request_id],
                     outputs=_traces(out),
@@ -182,9 +181,9 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
     host_in_use = sum(b.ref_cnt for b in host_pool.blocks)
     result = {
         "requests": num_requests,
-        "completed": len(done),
+        "completed": len(records),
         "aborted": len(aborted),
-        "lost": num_requests - len(done) - len(aborted),
+        "lost": num_requests - len(records) - len(aborted),
         "errors": errors,
         "steps": steps,
         "seconds": round(time.perf_counter() - started, 1),
@@ -311,16 +310,16 @@ def _difference(
 
 # Lone runs a sample that differs from the first is also compared with:
 # (name, chunk size, other requests decoding beside it).
-OTHER_RUNS = (("chunks of 512", 512, 0), ("chunks of 96", 96, 0), ("beside 3 others", 256, 3))
+OTHER_RUNS = (("chunks of 512", 512, 0), ("chunks of 96", 96, 0), ("beside 3 others", CHUNK, 3))
 
 
 def oracle_check(
     records: dict[str, dict], tie: float, tolerance: float, model: str = "smollm2"
 ) -> dict:
     """Each completed request of the storm again, alone, on an engine without
-    prefix caching, host tier or preemption (a cache for the longest request),
-    in the storm's chunks (256 tokens): the storm's batching, cache hits, host
-    loads, preemptions and parallel samples must change no token, except
+    prefix caching, host tier or preemption, in the storm's chunks
+    (``CHUNK``): the storm's batching, cache hits, host loads, preemptions
+    and parallel samples must change no token, except
     after a near tie of the lone run's two likeliest tokens, and no logprob
     up to there. Float noise alone can flip a near tie in Stage 1's choice of
     tokens or Stage 2's of pages (a request alone differs so from the same
@@ -329,7 +328,7 @@ def oracle_check(
     the runs of ``OTHER_RUNS``, and is a finding only if it matches none."""
     started = time.perf_counter()
     order = sorted(records, key=lambda rid: int(rid.split("-")[1]))
-    lone = _lone_runs({rid: records[rid] for rid in order}, 256, model)
+    lone = _lone_runs({rid: records[rid] for rid in order}, CHUNK, model)
     differing, ties, worst, compared = {}, [], 0.0, 0
     for rid in order:
         record = records[rid]
@@ -359,7 +358,7 @@ def oracle_check(
                     for (name, _, _), runs in zip(OTHER_RUNS, others)
                     if _difference(got, runs[rid], tie, tolerance)[0] in (None, "tie")
                 ]
-                line = f"{where}: {finding} against the run alone in chunks of 256"
+                line = f"{where}: {finding} against the run alone in chunks of {CHUNK}"
                 if matched:
                     name, runs = matched[0]
                     spread = _difference(lone[rid], runs[rid], tie, tolerance)[0]
