@@ -2,17 +2,11 @@
 
     python tests/model_runner_child.py {v1,v2,v2-async} {preempt,triton,torch,hybrid} OUT.json
 
-``v2`` runs vLLM's Model Runner V2, NVIDIA's default: vLLM's CPU build has
-it (``vllm/v1/worker/cpu/model_runner.py``) but turns it down unless Triton
-has a CPU backend, because the runner prepares its inputs and samples in
-Triton kernels. Here Triton's interpreter runs them (``TRITON_INTERPRET=1``),
-so no driver is ever used, and Triton's NVIDIA backend is entered under the
-name "cpu" only so that vLLM's import-time check finds a backend. This has
-to happen before vLLM is imported, hence a process of its own. ``v2-async``
-adds NVIDIA's other default, async scheduling (vLLM's ``AsyncScheduler``
-schedules a step while the one before it runs), which vLLM's CPU platform
-turns off: its config hook is wrapped to turn it back on. ``v1`` runs the V1
-runner of vLLM's CPU build, as every other engine test does.
+``v2`` runs vLLM's Model Runner V2 (NVIDIA's default) with its Triton
+kernels interpreted, ``v2-async`` adds async scheduling (NVIDIA's other
+default), ``v1`` runs the V1 runner of vLLM's CPU build, as every other
+engine test does (``rocketkv_eval.runners``). The runner is chosen before
+vLLM is imported, hence a process of its own.
 
 Scenarios (each writes the completions, their prefix-cache hits, the
 preemptions, ROCKETKV's counters, the runner's module and the scheduler's
@@ -37,37 +31,11 @@ class to OUT.json):
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from conftest import chat_prompt, ids_and_logprobs  # this file's folder is on sys.path
 
-
-def _setup(runner: str) -> None:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker here
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if runner in ("v2", "v2-async"):
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-        os.environ["TRITON_INTERPRET"] = "1"
-        import triton.backends
-
-        triton.backends.backends.setdefault("cpu", triton.backends.backends["nvidia"])
-    elif runner == "v1":
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    else:
-        raise SystemExit(f"unknown runner {runner!r}")
-    if runner == "v2-async":
-        from vllm.platforms.cpu import CpuPlatform
-
-        platform_hook = CpuPlatform.check_and_update_config.__func__
-
-        def with_async_scheduling(cls, vllm_config):
-            platform_hook(cls, vllm_config)  # sets async_scheduling False
-            # vLLM reads it after this hook ("the platform has the last word").
-            vllm_config.scheduler_config.async_scheduling = True
-
-        CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
+from rocketkv_eval.runners import use_runner
 
 
 def _preempt_scenario():
@@ -155,7 +123,7 @@ def _hybrid_scenario():
 
 
 def run(runner: str, scenario: str) -> dict:
-    _setup(runner)
+    use_runner(runner)
     from vllm import LLM, SamplingParams
 
     from rocketkv_vllm.state import existing_worker_state

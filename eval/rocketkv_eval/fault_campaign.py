@@ -14,6 +14,12 @@
    without prefix caching, host tier or preemption, and each sample's
    tokens and logprobs must be the lone run's (``oracle_check``): silent
    wrongness from hits, host loads, preemptions or batching shows there.
+   ``--policy priority``: vLLM's priority scheduling, whose preemptions may
+   withdraw a request scheduled earlier in the same step. ``--runner
+   v2-async``: NVIDIA's defaults, Model Runner V2 and async scheduling
+   (``rocketkv_eval.runners``; no host tier, which ROCKETKV refuses on
+   NVIDIA); its ``--records`` are then checked by lone runs on V1
+   (``--check-records``), much faster than on V2's interpreted kernels.
 2. Servers (``--servers``): two ROCKETKV ``vllm serve`` processes with host
    tiers on one machine at once, the second run by another local user
    (``--second-user UID``: setpriv; this Python, the venv and the model must
@@ -28,6 +34,9 @@
         --json results/fault-campaign-cpu.json
     .venv/bin/python scripts/fault_campaign.py --oracle \
         --json results/fault-campaign-oracle-cpu.json
+    .venv/bin/python scripts/fault_campaign.py --model tiny-gemma3 \
+        --runner v2-async --requests 24 --records R.json
+    .venv/bin/python scripts/fault_campaign.py --model tiny-gemma3 --check-records R.json
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+from rocketkv_eval.runners import RUNNERS, use_runner
 
 # SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes a token.
 SMOLLM2_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
@@ -79,9 +90,14 @@ def _model_path(model: str) -> str:
     return prepare_default_model() if model == "smollm2" else prepare_tiny_gemma3()
 
 
-def _engine(model: str, role: str, **kw):
+def _engine(model: str, role: str, host_tier: bool = True, device_blocks: int | None = None, **kw):
     from vllm import LLM
 
+    settings = dict(MODELS[model][role])
+    if not host_tier:
+        settings.pop("kv_offloading_size", None)
+    if device_blocks:
+        settings["num_gpu_blocks_override"] = device_blocks
     return LLM(
         model=_model_path(model),
         attention_backend="ROCKETKV",
@@ -90,24 +106,46 @@ def _engine(model: str, role: str, **kw):
         max_model_len=MAX_MODEL_LEN,
         block_size=32,
         additional_config={"rocketkv": {"prompt_budget": 256}},
-        **MODELS[model][role],
+        **settings,
         **kw,
     )
 
 
-def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
+def abort_storm(
+    num_requests: int,
+    seed: int,
+    model: str = "smollm2",
+    policy: str = "fcfs",
+    host_tier: bool = True,
+    device_blocks: int | None = None,
+) -> dict:
+    """``policy`` "priority": vLLM's priority scheduling, requests of three
+    priorities; a request short of blocks then preempts the running request
+    of lowest priority, which may be one scheduled earlier in the same step
+    (its chunk withdrawn after its blocks were allocated and hashed).
+    ``host_tier`` False: no host tier (as on NVIDIA, where ROCKETKV refuses
+    one); ``device_blocks``: the device pool's size instead of ``MODELS``'s."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
 
     from vllm.inputs import TokensPrompt
 
     from rocketkv_eval.engines import scheduler
 
-    llm = _engine(model, "storm", max_num_batched_tokens=CHUNK, max_num_seqs=8)
+    llm = _engine(
+        model,
+        "storm",
+        host_tier,
+        device_blocks,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=8,
+        scheduling_policy=policy,
+    )
     engine = llm.llm_engine
     sched = scheduler(llm)
     pool = sched.kv_cache_manager.block_pool
-    host_pool = sched.connector.scheduler_manager.cpu_block_pool
+    host = sched.connector.scheduler_manager if host_tier else None
     free_at_start = pool.get_num_free_blocks()
+    withdrawn = _count_withdrawn_chunks(sched)
     rng = random.Random(seed)
     documents = [[rng.randrange(100, 40000) for _ in range(1800)] for _ in range(6)]
 
@@ -139,14 +177,23 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
             max_tokens = min(rng.randrange(100, 400), MAX_MODEL_LEN - len(prompt))
             # Own budgets (0: uncompressed) and parallel samples beside the engine's.
             budget = [None, 0, None, 128, None, 512][added % 6]
-            n = 2 if added % 5 == 2 else 1
+            n = 2 if added % 5 == 2 and not _on_model_runner_v2() else 1
             rid = f"req-{added}"
+            priority = added % 3 if policy == "priority" else 0
             engine.add_request(
-                rid, TokensPrompt(prompt_token_ids=prompt), _params(max_tokens, budget, n)
+                rid,
+                TokensPrompt(prompt_token_ids=prompt),
+                _params(max_tokens, budget, n),
+                priority=priority,
             )
             live[rid] = max_tokens
             asked[rid] = dict(
-                prompt=prompt, max_tokens=max_tokens, budget=budget, n=n, turn_of=turn_of
+                prompt=prompt,
+                max_tokens=max_tokens,
+                budget=budget,
+                n=n,
+                turn_of=turn_of,
+                priority=priority,
             )
             added += 1
         # The storm: a third of the requests aborted, at any stage.
@@ -178,7 +225,7 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
             errors.append("did not finish")
             break
     free_at_end = pool.get_num_free_blocks()
-    host_in_use = sum(b.ref_cnt for b in host_pool.blocks)
+    host_in_use = sum(b.ref_cnt for b in host.cpu_block_pool.blocks) if host else 0
     result = {
         "requests": num_requests,
         "completed": len(records),
@@ -191,6 +238,7 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
         "device_free_at_end": free_at_end,
         "host_blocks_in_use_at_end": host_in_use,
         "preemptions": sum(preempted.values()),
+        "preempted_in_the_step_that_scheduled_them": withdrawn[0],
         "completed_with": {
             "a prefix hit": sum(bool(r["cached"]) for r in records.values()),
             "a chat turn's prompt": sum(bool(r["turn_of"]) for r in records.values()),
@@ -200,7 +248,7 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
         },
         "host_account": {
             k: v
-            for k, v in vars(sched.connector.scheduler_manager.rocketkv.prefix_account).items()
+            for k, v in (vars(host.rocketkv.prefix_account) if host else {}).items()
             if k.startswith("host_")
         },
     }
@@ -215,6 +263,44 @@ def abort_storm(num_requests: int, seed: int, model: str = "smollm2") -> dict:
     return result, records
 
 
+def _count_withdrawn_chunks(sched) -> list[int]:
+    """A counter (in a list) of the requests preempted in the very step
+    that had just allocated blocks for them (priority scheduling's victims)."""
+    count, allocated = [0], set()
+    schedule, allocate, preempt = (
+        sched.schedule,
+        sched.kv_cache_manager.allocate_slots,
+        sched._preempt_request,
+    )
+
+    def scheduling(*args, **kwargs):
+        allocated.clear()
+        return schedule(*args, **kwargs)
+
+    def allocating(request, *args, **kwargs):
+        blocks = allocate(request, *args, **kwargs)
+        if blocks is not None:
+            allocated.add(request.request_id)
+        return blocks
+
+    def preempting(request, *args, **kwargs):
+        count[0] += request.request_id in allocated
+        return preempt(request, *args, **kwargs)
+
+    sched.schedule = scheduling
+    sched.kv_cache_manager.allocate_slots = allocating
+    sched._preempt_request = preempting
+    return count
+
+
+def _on_model_runner_v2() -> bool:
+    """Model Runner V2 (``rocketkv_eval.runners``) samples top-k in a Triton
+    kernel that Triton's interpreter cannot run, and vLLM samples n > 1 only
+    at a temperature of at least 0.01, far from greedy: there every request
+    asks for one greedy sample."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+
+
 def _caller_id(internal: str) -> str:
     """The id a request was added under, from vLLM's internal id of it or of
     one of its parallel samples ("<index>_<id>-<8 random chars>")."""
@@ -226,10 +312,12 @@ def _params(max_tokens: int, budget: int | None, n: int):
     from vllm.sampling_params import RequestOutputKind
 
     extra = None if budget is None else {"rocketkv_token_budget": budget}
-    # vLLM refuses n > 1 with greedy sampling; top-k 1 samples greedily too.
+    # vLLM refuses n > 1 with greedy sampling; top-k 1 samples greedily too,
+    # except on Model Runner V2, whose top-k Triton kernel Triton's
+    # interpreter cannot run: there the storm asks for one sample (_on_model_runner_v2).
+    greedy = dict(temperature=1.0, top_k=1) if n > 1 else dict(temperature=0.0)
     return SamplingParams(
-        temperature=1.0,
-        top_k=1,
+        **greedy,
         max_tokens=max_tokens,
         ignore_eos=True,
         n=n,
@@ -546,6 +634,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="storm's model")
+    parser.add_argument(
+        "--policy", choices=("fcfs", "priority"), default="fcfs", help="storm's scheduling policy"
+    )
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="v1",
+        help="vLLM's model runner (rocketkv_eval.runners); v2-async is NVIDIA's defaults, "
+        "and the storm then has no host tier, which ROCKETKV refuses on NVIDIA",
+    )
+    parser.add_argument(
+        "--device-blocks", type=int, default=None, help="the storm's device pool, in blocks"
+    )
     parser.add_argument("--servers", action="store_true", help="also the server phase")
     parser.add_argument("--second-user", type=int, default=None, help="uid of server B")
     parser.add_argument(
@@ -554,9 +655,31 @@ def main() -> None:
         help="also run each completed request alone and compare its tokens and logprobs",
     )
     parser.add_argument("--records", default=None, help="write the storm's requests and outputs")
+    parser.add_argument(
+        "--check-records",
+        default=None,
+        help="no storm: run the oracle on the records of an earlier one (--records), in "
+        "--runner's engines (a storm on Model Runner V2 checked by lone runs on V1)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    storm, records = abort_storm(args.requests, args.seed, args.model)
+    use_runner(args.runner)
+    if args.check_records:
+        with open(args.check_records) as f:
+            records = json.load(f)
+        # The storm's model: the one its records were made on.
+        result = {"oracle": oracle_check(records, tie=1e-3, tolerance=1e-3, model=args.model)}
+        _report(result, args.json)
+        return
+    storm, records = abort_storm(
+        args.requests,
+        args.seed,
+        args.model,
+        args.policy,
+        host_tier=args.runner == "v1",
+        device_blocks=args.device_blocks,
+    )
+    storm["runner"] = args.runner
     result = {"abort_storm": storm}
     if args.records:
         with open(args.records, "w") as f:
@@ -565,9 +688,13 @@ def main() -> None:
         result["oracle"] = oracle_check(records, tie=1e-3, tolerance=1e-3, model=args.model)
     if args.servers:
         result["servers"] = servers(args.seed, args.second_user)
+    _report(result, args.json)
+
+
+def _report(result: dict, path: str | None) -> None:
     print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
     raise SystemExit(0 if all(part["ok"] for part in result.values()) else 1)
 
