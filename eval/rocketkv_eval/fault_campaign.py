@@ -312,9 +312,8 @@ def _params(max_tokens: int, budget: int | None, n: int):
     from vllm.sampling_params import RequestOutputKind
 
     extra = None if budget is None else {"rocketkv_token_budget": budget}
-    # vLLM refuses n > 1 with greedy sampling; top-k 1 samples greedily too,
-    # except on Model Runner V2, whose top-k Triton kernel Triton's
-    # interpreter cannot run: there the storm asks for one sample (_on_model_runner_v2).
+    # vLLM refuses n > 1 with greedy sampling; top-k 1 samples greedily too
+    # (never asked for on V2: _on_model_runner_v2).
     greedy = dict(temperature=1.0, top_k=1) if n > 1 else dict(temperature=0.0)
     return SamplingParams(
         **greedy,
