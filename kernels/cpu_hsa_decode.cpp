@@ -35,8 +35,11 @@
 // [S, Hkv, W] view page indices; a row with a slot either writes the pages it
 // chose there or (reuse) attends the ones stored instead of choosing.
 
+// ATen and torch/python.h (the pybind11 tensor casters), not torch/extension.h:
+// the whole C++ frontend it adds is a third of the build time and unused here.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <cmath>
@@ -585,30 +588,40 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
        tr = as_i32(topr), ns = as_i32(num_select);
   const Selections sel = check_selections(selections, sel_slot, reuse, kv_cache.size(1), nc, ts,
                                           sl, ns, page_size, force_current_page);
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "hsa_decode", [&] {
-        auto run = [&](auto layout_tag) {
-          constexpr int L = decltype(layout_tag)::value;
-          if (fp8_kv)
-            hsa_decode_impl<scalar_t, L, true, true>(
-                q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p,
-                KvDecode<true>(kv_format, static_cast<float>(k_scale),
-                               static_cast<float>(v_scale)),
-                sel, out);
-          else if (fp8_kt)
-            hsa_decode_impl<scalar_t, L, true, false>(
-                q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), sel, out);
-          else
-            hsa_decode_impl<scalar_t, L, false, false>(
-                q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
-                force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), sel, out);
-        };
-        if (layout == 1) run(std::integral_constant<int, 1>{});
-        else if (layout == 2) run(std::integral_constant<int, 2>{});
-        else run(std::integral_constant<int, 0>{});
-      });
+  // The dtypes vLLM serves in (no float64): each one is 9 instantiations
+  // (3 layouts x 3 KV/KT formats), the bulk of the first-use build.
+  auto for_dtype = [&](auto dtype_tag) {
+    using scalar_t = typename decltype(dtype_tag)::type;
+    auto run = [&](auto layout_tag) {
+      constexpr int L = decltype(layout_tag)::value;
+      if (fp8_kv)
+        hsa_decode_impl<scalar_t, L, true, true>(
+            q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+            force_current_page, sink_p,
+            KvDecode<true>(kv_format, static_cast<float>(k_scale),
+                           static_cast<float>(v_scale)),
+            sel, out);
+      else if (fp8_kt)
+        hsa_decode_impl<scalar_t, L, true, false>(
+            q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+            force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), sel, out);
+      else
+        hsa_decode_impl<scalar_t, L, false, false>(
+            q, kv_cache, kt_cache, table, nc, ts, sl, tr, ns, page_size, scale,
+            force_current_page, sink_p, KvDecode<false>(0, 1.f, 1.f), sel, out);
+    };
+    if (layout == 1) run(std::integral_constant<int, 1>{});
+    else if (layout == 2) run(std::integral_constant<int, 2>{});
+    else run(std::integral_constant<int, 0>{});
+  };
+  switch (q.scalar_type()) {
+    case at::ScalarType::Float: for_dtype(std::type_identity<float>{}); break;
+    case at::ScalarType::Half: for_dtype(std::type_identity<c10::Half>{}); break;
+    case at::ScalarType::BFloat16: for_dtype(std::type_identity<c10::BFloat16>{}); break;
+    default:
+      TORCH_CHECK(false, "hsa_decode: query must be float32, float16 or bfloat16, got ",
+                  q.scalar_type());
+  }
   return out;
 }
 

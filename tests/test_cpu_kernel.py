@@ -135,6 +135,29 @@ def test_amx_layout_needs_head_size_multiple_of_32():
         )
 
 
+def test_float64_is_refused_by_name():
+    # the kernel is built for the dtypes vLLM serves in, not float64
+    storage, block_elems = _cache(1, 64, 32, 4, torch.float64)
+    kv, _, _, kt = _views(storage, block_elems, 1, 64, 32, 4, "head_rows")
+    ones = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16, got Double"):
+        cpu_ops.hsa_decode(
+            torch.zeros(1, 1, 64, dtype=torch.float64),
+            kv,
+            kt,
+            "head_rows",
+            torch.ones(1, 1, dtype=torch.int32),
+            ones * 0,
+            ones * 0,
+            ones,
+            ones,
+            ones,
+            4,
+            0.1,
+            False,
+        )
+
+
 def _compressed_requests(k, v, kt, hkv, g, d, bs, ps, dtype, gen):
     """Three compressed requests of different lengths, budgets, top-k, top-r,
     with the K/V of their next 2 * ps + 1 tokens already stored. Returns the
