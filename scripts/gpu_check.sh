@@ -13,7 +13,7 @@
 # order, each under `timeout` with its own limit in seconds (0 skips the step):
 #   part 1 (limits add up to 360 s):
 #   model          GPU_CHECK_MODEL_S=40          SmolLM2 rebuilt from the carried GGUF slices
-#                  ($MODEL_STAGE/smollm2.gguf.NN + smollm2-meta.tar.xz, scripts/gpu_model.py) into
+#                  ($MODEL_STAGE/smollm2.gguf.xz.NN + smollm2-meta.tar.xz, scripts/gpu_model.py) into
 #                  $MODEL_DIR, then used as ROCKETKV_GPU_MODEL; skipped when that is already set
 #                  or $MODEL_DIR holds it (part 2 after part 1)
 #   kernels        GPU_CHECK_KERNELS_S=100       compile check + Triton kernel tests, on CUDA
@@ -66,7 +66,9 @@ fi
 if [ -n "${ROCKETKV_GPU_MODEL:-}" ]; then
   step model 0
 else
-  step model "${GPU_CHECK_MODEL_S:-40}" bash -c 'set -e; cat "$1"/smollm2.gguf.[0-9]* > "$1/smollm2.gguf"
+  # Python's lzma, not the xz tool, which the host may lack (the bundle's install.sh falls back too)
+  export UNXZ='import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)'
+  step model "${GPU_CHECK_MODEL_S:-40}" bash -c 'set -e; cat "$1"/smollm2.gguf.xz.[0-9]* | "$3" -c "$UNXZ" > "$1/smollm2.gguf"
     "$3" scripts/gpu_model.py rebuild "$1/smollm2.gguf" "$1/smollm2-meta.tar.xz" "$2"' \
     _ "$MODEL_STAGE" "$MODEL_DIR" "$PY" && export ROCKETKV_GPU_MODEL=$MODEL_DIR
 fi
