@@ -20,6 +20,11 @@
    (``rocketkv_eval.runners``; no host tier, which ROCKETKV refuses on
    NVIDIA); its ``--records`` are then checked by lone runs on V1
    (``--check-records``), much faster than on V2's interpreted kernels.
+   ``--reselect-every R``: the storm's and the lone runs' engines reuse a
+   page selection for up to R decode steps; the store's slots pass between
+   requests as they come, finish, are aborted and preempted, and every
+   sample must still equal its lone run, a preempted one up to its
+   preemption (after its recompute it selects anew, by design).
 2. Servers (``--servers``): two ROCKETKV ``vllm serve`` processes with host
    tiers on one machine at once, the second run by another local user
    (``--second-user UID``: setpriv; this Python, the venv and the model must
@@ -90,7 +95,14 @@ def _model_path(model: str) -> str:
     return prepare_default_model() if model == "smollm2" else prepare_tiny_gemma3()
 
 
-def _engine(model: str, role: str, host_tier: bool = True, device_blocks: int | None = None, **kw):
+def _engine(
+    model: str,
+    role: str,
+    host_tier: bool = True,
+    device_blocks: int | None = None,
+    reselect_every: int = 1,
+    **kw,
+):
     from vllm import LLM
 
     settings = dict(MODELS[model][role])
@@ -105,7 +117,7 @@ def _engine(model: str, role: str, host_tier: bool = True, device_blocks: int | 
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
         block_size=32,
-        additional_config={"rocketkv": {"prompt_budget": 256}},
+        additional_config={"rocketkv": {"prompt_budget": 256, "reselect_every": reselect_every}},
         **settings,
         **kw,
     )
@@ -118,24 +130,30 @@ def abort_storm(
     policy: str = "fcfs",
     host_tier: bool = True,
     device_blocks: int | None = None,
+    reselect_every: int = 1,
 ) -> dict:
     """``policy`` "priority": vLLM's priority scheduling, requests of three
     priorities; a request short of blocks then preempts the running request
     of lowest priority, which may be one scheduled earlier in the same step
     (its chunk withdrawn after its blocks were allocated and hashed).
     ``host_tier`` False: no host tier (as on NVIDIA, where ROCKETKV refuses
-    one); ``device_blocks``: the device pool's size instead of ``MODELS``'s."""
+    one); ``device_blocks``: the device pool's size instead of ``MODELS``'s;
+    ``reselect_every``: the engine's ``rocketkv.reselect_every`` (the
+    selection store's slots then pass between requests as they come, finish,
+    are aborted and preempted)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
 
     from vllm.inputs import TokensPrompt
 
     from rocketkv_eval.engines import scheduler
+    from rocketkv_vllm.state import worker_state
 
     llm = _engine(
         model,
         "storm",
         host_tier,
         device_blocks,
+        reselect_every,
         max_num_batched_tokens=CHUNK,
         max_num_seqs=8,
         scheduling_policy=policy,
@@ -154,6 +172,7 @@ def abort_storm(
     asked: dict[str, dict] = {}
     aborted: set[str] = set()
     preempted: dict[str, int] = {}  # internal request id -> its preemptions so far
+    preempted_at: dict[str, int] = {}  # internal request id -> its tokens at its first
     errors: list[str] = []
     added = 0
     steps = 0
@@ -202,7 +221,9 @@ def abort_storm(
             engine.abort_request([victim])
             aborted.add(victim)
             del live[victim]
-        for request in sched.requests.values():
+        for request in sched.requests.values():  # preempted in the last step, if at all
+            if request.num_preemptions and request.request_id not in preempted_at:
+                preempted_at[request.request_id] = request.num_output_tokens
             preempted[request.request_id] = request.num_preemptions
         for out in engine.step():
             if out.finished and out.request_id in live:
@@ -218,6 +239,19 @@ def abort_storm(
                         for internal, count in preempted.items()
                         if _caller_id(internal) == out.request_id
                     ),
+                    # Per sample: how many tokens it had when first preempted (None: never).
+                    first_preempted_at=[
+                        next(
+                            (
+                                at
+                                for internal, at in preempted_at.items()
+                                if _caller_id(internal) == out.request_id
+                                and _sample_index(internal) == k
+                            ),
+                            None,
+                        )
+                        for k in range(asked[out.request_id]["n"])
+                    ],
                 )
                 del live[out.request_id]
         steps += 1
@@ -239,6 +273,10 @@ def abort_storm(
         "host_blocks_in_use_at_end": host_in_use,
         "preemptions": sum(preempted.values()),
         "preempted_in_the_step_that_scheduled_them": withdrawn[0],
+        "reselect_every": reselect_every,
+        "decode_selections_reused": worker_state(
+            engine.vllm_config
+        ).counters.decode_selections_reused,
         "completed_with": {
             "a prefix hit": sum(bool(r["cached"]) for r in records.values()),
             "a chat turn's prompt": sum(bool(r["turn_of"]) for r in records.values()),
@@ -258,6 +296,7 @@ def abort_storm(
         and result["preemptions"] > 0
         and free_at_end == free_at_start
         and host_in_use == 0
+        and (reselect_every == 1 or result["decode_selections_reused"] > 0)
     )
     llm.llm_engine.engine_core.shutdown()
     return result, records
@@ -307,6 +346,14 @@ def _caller_id(internal: str) -> str:
     return internal.rsplit("-", 1)[0].split("_", 1)[-1]
 
 
+def _sample_index(internal: str) -> int:
+    """Which of its request's parallel samples vLLM's internal id names (0
+    for a request of one sample)."""
+    head = internal.rsplit("-", 1)[0]
+    index, _, rest = head.partition("_")
+    return int(index) if rest and index.isdigit() else 0
+
+
 def _params(max_tokens: int, budget: int | None, n: int):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -341,7 +388,7 @@ def _traces(out) -> list[dict]:
 
 
 def _lone_runs(
-    records: dict[str, dict], chunk: int, model: str, fillers: int = 0
+    records: dict[str, dict], chunk: int, model: str, fillers: int = 0, reselect_every: int = 1
 ) -> dict[str, dict]:
     """Each request (one sample) on a fresh engine without prefix caching,
     with this chunk size; alone, or beside ``fillers`` other requests of
@@ -351,6 +398,7 @@ def _lone_runs(
     llm = _engine(
         model,
         "alone",
+        reselect_every=reselect_every,
         max_num_batched_tokens=chunk,
         max_num_seqs=1 + fillers,
         enable_prefix_caching=False,
@@ -395,13 +443,33 @@ def _difference(
     return None, upto, drift
 
 
+def _comparable(record: dict, k: int, reselect_every: int) -> int | None:
+    """How many of sample k's tokens a lone run must reproduce (None: all).
+    With a reused selection, a request preempted with m >= 1 tokens
+    recomputes them and its next step forgets its stored selection (by
+    design), so from token m on (token 2 for m = 1: token 1 comes from a
+    first decode step, which selects in both) it may select where the lone
+    run reused. Preempted before its first token, it decodes as the lone
+    run does. Uncompressed requests (budget 0) select nothing."""
+    m = record["first_preempted_at"][k] if reselect_every > 1 and record["budget"] != 0 else None
+    return max(m, 2) if m else None
+
+
+def _cut(trace: dict, n: int | None) -> dict:
+    return trace if n is None else {key: values[:n] for key, values in trace.items()}
+
+
 # Lone runs a sample that differs from the first is also compared with:
 # (name, chunk size, other requests decoding beside it).
 OTHER_RUNS = (("chunks of 512", 512, 0), ("chunks of 96", 96, 0), ("beside 3 others", CHUNK, 3))
 
 
 def oracle_check(
-    records: dict[str, dict], tie: float, tolerance: float, model: str = "smollm2"
+    records: dict[str, dict],
+    tie: float,
+    tolerance: float,
+    model: str = "smollm2",
+    reselect_every: int = 1,
 ) -> dict:
     """Each completed request of the storm again, alone, on an engine without
     prefix caching, host tier or preemption, in the storm's chunks
@@ -412,43 +480,54 @@ def oracle_check(
     tokens or Stage 2's of pages (a request alone differs so from the same
     request in other chunk sizes, or decoding beside others, by up to ~0.02
     in a logprob on SmolLM2): a sample that differs is also compared with
-    the runs of ``OTHER_RUNS``, and is a finding only if it matches none."""
+    the runs of ``OTHER_RUNS``, and is a finding only if it matches none.
+    With ``reselect_every`` > 1 the lone runs reuse selections as the storm
+    did, except where a preemption made the storm's request select anew
+    (its recomputed tokens forget its selection, by design): such a sample
+    is compared up to there (``_comparable``)."""
     started = time.perf_counter()
     order = sorted(records, key=lambda rid: int(rid.split("-")[1]))
-    lone = _lone_runs({rid: records[rid] for rid in order}, CHUNK, model)
-    differing, ties, worst, compared = {}, [], 0.0, 0
+    lone = _lone_runs({rid: records[rid] for rid in order}, CHUNK, model, 0, reselect_every)
+    differing, ties, cut, worst, compared = {}, [], [], 0.0, 0
     for rid in order:
         record = records[rid]
         for k, got in enumerate(record["outputs"]):
+            n = _comparable(record, k, reselect_every)
             where = (
                 f"{rid}/{k} (budget {record['budget']}, n {record['n']}, "
                 f"{len(record['prompt'])} prompt tokens, {record['cached']} cached, "
-                f"{record['preemptions']} preemptions)"
+                f"{record['preemptions']} preemptions"
+                + ("" if n is None else f", compared up to token {n}")
+                + ")"
             )
-            finding, upto, drift = _difference(got, lone[rid], tie, tolerance)
+            if n is not None:
+                cut.append(where)
+            finding, upto, drift = _difference(_cut(got, n), _cut(lone[rid], n), tie, tolerance)
             if finding == "tie":
                 ties.append(f"{where} at token {upto}")
             elif finding:
-                differing.setdefault(rid, []).append((k, where, finding))
+                differing.setdefault(rid, []).append((k, n, where, finding))
             worst, compared = max(worst, drift), compared + upto
     mismatches, noise = [], []
     if differing:
         others = [
-            _lone_runs({rid: records[rid] for rid in differing}, chunk, model, fillers)
+            _lone_runs(
+                {rid: records[rid] for rid in differing}, chunk, model, fillers, reselect_every
+            )
             for _, chunk, fillers in OTHER_RUNS
         ]
         for rid, samples in differing.items():
-            for k, where, finding in samples:
-                got = records[rid]["outputs"][k]
+            for k, n, where, finding in samples:
+                got = _cut(records[rid]["outputs"][k], n)
                 matched = [
                     (name, runs)
                     for (name, _, _), runs in zip(OTHER_RUNS, others)
-                    if _difference(got, runs[rid], tie, tolerance)[0] in (None, "tie")
+                    if _difference(got, _cut(runs[rid], n), tie, tolerance)[0] in (None, "tie")
                 ]
                 line = f"{where}: {finding} against the run alone in chunks of {CHUNK}"
                 if matched:
                     name, runs = matched[0]
-                    spread = _difference(lone[rid], runs[rid], tie, tolerance)[0]
+                    spread = _difference(_cut(lone[rid], n), _cut(runs[rid], n), tie, tolerance)[0]
                     noise.append(
                         f"{line}; matches the run {name}, which differs from the first "
                         f"as much: {spread}"
@@ -462,6 +541,7 @@ def oracle_check(
         "tokens_compared": compared,
         "max_logprob_drift": worst,
         "tie_divergences": ties,
+        "compared_up_to_their_preemption": cut,
         "float_noise": noise,
         "mismatches": mismatches,
         "seconds": round(time.perf_counter() - started, 1),
@@ -646,6 +726,12 @@ def main() -> None:
     parser.add_argument(
         "--device-blocks", type=int, default=None, help="the storm's device pool, in blocks"
     )
+    parser.add_argument(
+        "--reselect-every",
+        type=int,
+        default=1,
+        help="rocketkv.reselect_every of the storm's and the lone runs' engines",
+    )
     parser.add_argument("--servers", action="store_true", help="also the server phase")
     parser.add_argument("--second-user", type=int, default=None, help="uid of server B")
     parser.add_argument(
@@ -667,7 +753,11 @@ def main() -> None:
         with open(args.check_records) as f:
             records = json.load(f)
         # The storm's model: the one its records were made on.
-        result = {"oracle": oracle_check(records, tie=1e-3, tolerance=1e-3, model=args.model)}
+        result = {
+            "oracle": oracle_check(
+                records, 1e-3, 1e-3, model=args.model, reselect_every=args.reselect_every
+            )
+        }
         _report(result, args.json)
         return
     storm, records = abort_storm(
@@ -677,6 +767,7 @@ def main() -> None:
         args.policy,
         host_tier=args.runner == "v1",
         device_blocks=args.device_blocks,
+        reselect_every=args.reselect_every,
     )
     storm["runner"] = args.runner
     result = {"abort_storm": storm}
@@ -684,7 +775,9 @@ def main() -> None:
         with open(args.records, "w") as f:
             json.dump(records, f)
     if args.oracle:
-        result["oracle"] = oracle_check(records, tie=1e-3, tolerance=1e-3, model=args.model)
+        result["oracle"] = oracle_check(
+            records, 1e-3, 1e-3, model=args.model, reselect_every=args.reselect_every
+        )
     if args.servers:
         result["servers"] = servers(args.seed, args.second_user)
     _report(result, args.json)
