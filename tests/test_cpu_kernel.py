@@ -112,50 +112,28 @@ def test_native_stage2_head_sizes_match_oracle(layout, dtype, hkv, g, d, kt_dtyp
     _check_against_batched(layout, dtype, hkv, g, d, 32, 4, d % 64 == 32, kt_dtype, oracle=True)
 
 
+def _one_token_decode(d: int, dtype: torch.dtype, layout: str):
+    """Stage 2 for one row of one token, on a cache stored as head rows."""
+    storage, block_elems = _cache(1, d, 32, 4, dtype)
+    kv, _, _, kt = _views(storage, block_elems, 1, d, 32, 4, "head_rows")
+    ones = torch.ones(1, dtype=torch.int32)
+    query = torch.zeros(1, 1, d, dtype=dtype)
+    block_table = torch.ones(1, 1, dtype=torch.int32)
+    return cpu_ops.hsa_decode(
+        query, kv, kt, layout, block_table, ones * 0, ones * 0, ones, ones, ones, 4, 0.1, False
+    )
+
+
 def test_amx_layout_needs_head_size_multiple_of_32():
     # CPU_ATTN writes head size 80 in the vec16 layout, never in AMX tiles
-    storage, block_elems = _cache(1, 80, 32, 4, torch.bfloat16)
-    kv, _, _, kt = _views(storage, block_elems, 1, 80, 32, 4, "head_rows")
-    ones = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="AMX layout needs head_size"):
-        cpu_ops.hsa_decode(
-            torch.zeros(1, 1, 80, dtype=torch.bfloat16),
-            kv,
-            kt,
-            "cpu_amx",
-            torch.ones(1, 1, dtype=torch.int32),
-            ones * 0,
-            ones * 0,
-            ones,
-            ones,
-            ones,
-            4,
-            0.1,
-            False,
-        )
+        _one_token_decode(80, torch.bfloat16, "cpu_amx")
 
 
 def test_float64_is_refused_by_name():
     # the kernel is built for the dtypes vLLM serves in, not float64
-    storage, block_elems = _cache(1, 64, 32, 4, torch.float64)
-    kv, _, _, kt = _views(storage, block_elems, 1, 64, 32, 4, "head_rows")
-    ones = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16, got Double"):
-        cpu_ops.hsa_decode(
-            torch.zeros(1, 1, 64, dtype=torch.float64),
-            kv,
-            kt,
-            "head_rows",
-            torch.ones(1, 1, dtype=torch.int32),
-            ones * 0,
-            ones * 0,
-            ones,
-            ones,
-            ones,
-            4,
-            0.1,
-            False,
-        )
+        _one_token_decode(64, torch.float64, "head_rows")
 
 
 def _compressed_requests(k, v, kt, hkv, g, d, bs, ps, dtype, gen):
