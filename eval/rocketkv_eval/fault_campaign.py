@@ -172,7 +172,7 @@ def abort_storm(
     asked: dict[str, dict] = {}
     aborted: set[str] = set()
     preempted: dict[str, int] = {}  # internal request id -> its preemptions so far
-    preempted_at: dict[str, int] = {}  # internal request id -> its tokens at its first
+    preempted_at: dict[str, int] = {}  # internal request id -> its tokens when first preempted
     errors: list[str] = []
     added = 0
     steps = 0
