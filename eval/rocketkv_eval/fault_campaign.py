@@ -172,7 +172,8 @@ def abort_storm(
     asked: dict[str, dict] = {}
     aborted: set[str] = set()
     preempted: dict[str, int] = {}  # internal request id -> its preemptions so far
-    preempted_at: dict[str, int] = {}  # internal request id -> its tokens when first preempted
+    # (request id, sample index) -> its tokens when first preempted
+    preempted_at: dict[tuple[str, int], int] = {}
     errors: list[str] = []
     added = 0
     steps = 0
@@ -222,8 +223,9 @@ def abort_storm(
             aborted.add(victim)
             del live[victim]
         for request in sched.requests.values():  # preempted in the last step, if at all
-            if request.num_preemptions and request.request_id not in preempted_at:
-                preempted_at[request.request_id] = request.num_output_tokens
+            if request.num_preemptions:
+                sample = (_caller_id(request.request_id), _sample_index(request.request_id))
+                preempted_at.setdefault(sample, request.num_output_tokens)
             preempted[request.request_id] = request.num_preemptions
         for out in engine.step():
             if out.finished and out.request_id in live:
@@ -241,15 +243,7 @@ def abort_storm(
                     ),
                     # Per sample: how many tokens it had when first preempted (None: never).
                     first_preempted_at=[
-                        next(
-                            (
-                                at
-                                for internal, at in preempted_at.items()
-                                if _caller_id(internal) == out.request_id
-                                and _sample_index(internal) == k
-                            ),
-                            None,
-                        )
+                        preempted_at.get((out.request_id, k))
                         for k in range(asked[out.request_id]["n"])
                     ],
                 )
