@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
@@ -46,10 +47,23 @@ class WorkerRequests:
         self._prompt_lens = np.full(0, -1, dtype=np.int64)  # V2: by slot
         self.v1_prompt_lens: torch.Tensor | None = None  # V1: the runner's, by row
         self.dummy = False  # the step being run is a dummy run
+        # Called with the keys of requests that left the worker (V1: ids of
+        # finished, aborted and preempted requests; V2: slots taken again),
+        # for per-request buffers to be dropped (``backend.window``).
+        self.on_leave: list[Callable[[Iterable[int | str]], None]] = []
+
+    def _left(self, keys) -> None:
+        if keys:
+            for forget in self.on_leave:
+                forget(keys)
 
     def v1_before_update(self, scheduler_output) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.by_request.pop(req_id, None)
+        # A preempted request is recomputed from its start when resumed.
+        self._left(
+            set(scheduler_output.finished_req_ids) | (scheduler_output.preempted_req_ids or set())
+        )
         for new in scheduler_output.scheduled_new_reqs:
             budget = planned_budget(new.sampling_params)
             if budget is None:
@@ -66,10 +80,12 @@ class WorkerRequests:
         self.row_ids = list(req_ids)
 
     def v2_add(self, scheduler_output, req_id_to_index: dict[str, int]) -> None:
+        taken = []
         for new in scheduler_output.scheduled_new_reqs:
             slot = req_id_to_index.get(new.req_id)
             if slot is None:
                 continue
+            taken.append(slot)
             self.by_slot[slot] = planned_budget(new.sampling_params)
             self.v2_generation[slot] = self.v2_generation.get(slot, 0) + 1
             if slot >= self._prompt_lens.size:
@@ -77,6 +93,7 @@ class WorkerRequests:
                 grown[: self._prompt_lens.size] = self._prompt_lens
                 self._prompt_lens = grown
             self._prompt_lens[slot] = new.prompt_len
+        self._left(taken)
 
     def prompt_lens_for_slots(self, slots: np.ndarray) -> np.ndarray:
         """V2: each slot's prompt length, -1 where none was recorded."""
@@ -136,6 +153,9 @@ class Counters:
     prompt_tokens_evicted: int = 0  # per KV head
     decode_tokens_compressed: int = 0  # Stage 2 tokens (all layers count once)
     decode_selections_reused: int = 0  # ... that reused a selection (reselect_every)
+    # Stage 1 calls (request x layer) that found their earlier window
+    # queries gone and scored with this chunk's only (never expected)
+    stage1_short_windows: int = 0
     stage1_seconds: float = 0.0  # all layers, only with ROCKETKV_TIMING=1
     timing: bool = field(
         default_factory=lambda: os.environ.get("ROCKETKV_TIMING", "0") not in ("", "0"), repr=False
@@ -167,6 +187,8 @@ class WorkerState:
         # engine's decode steps replay FULL graphs; the runner hooks read it.
         self.graph_guard = None
         self.counters = Counters()
+        # The engine's ``backend.window.WindowQueries``, made by its first layer.
+        self.window_queries = None
         # Test aid record_kept_positions: (prompt tokens, kept [Hkv, budget]) of
         # every Stage 1, one entry per layer, in layer order.
         self.kept_positions: list[tuple[int, torch.Tensor]] = []

@@ -1,6 +1,6 @@
 """One ROCKETKV engine run for ``test_model_runner_v2.py``, in its own process:
 
-    python tests/model_runner_child.py {v1,v2,v2-async} {preempt,triton,torch,hybrid} OUT.json
+    python tests/model_runner_child.py {v1,v2,v2-async} {preempt,triton,torch,hybrid,abort} OUT.json
 
 ``v2`` runs vLLM's Model Runner V2 (NVIDIA's default) with its Triton
 kernels interpreted, ``v2-async`` adds async scheduling (NVIDIA's other
@@ -26,6 +26,9 @@ class to OUT.json):
 * ``hybrid``: a tiny random Gemma 3 (sliding-window layers in vLLM's
   backend), random-token prompts (a document asked three times), prefix
   caching on, given-back blocks poisoned.
+* ``abort``: SmolLM2 with two request slots, prompts whose first chunk ends
+  inside their observation window, aborted there (one of ``n`` 2) while
+  others are mid-window and new ones arrive (``run_aborts``).
 """
 
 from __future__ import annotations
@@ -196,7 +199,105 @@ def run(runner: str, scenario: str) -> dict:
     return result
 
 
+# (step, what, request, prompt length, n): requests added and aborted by
+# step. Every prompt's first chunk (256 tokens) ends inside its 32-token
+# window, so each holds window queries across steps; with two slots an
+# aborted request's buffers sat beside live ones (issue 57).
+ABORT_EVENTS = [
+    (0, "add", "A", 280, 1),
+    (0, "add", "B", 280, 2),
+    (1, "abort", "B", 0, 0),
+    (1, "add", "C", 280, 1),
+    (3, "add", "D", 270, 1),
+    (4, "abort", "D", 0, 0),
+    (4, "add", "E", 275, 1),
+]
+ABORTED = {"B", "D"}
+
+
+def run_aborts(runner: str) -> dict:
+    """The ``abort`` scenario: the survivors' completions, then each
+    survivor's again alone (the oracle, same engine, prefix caching off),
+    the free blocks at the start and end, and the window buffers left."""
+    use_runner(runner)
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_vllm.state import existing_worker_state
+
+    llm = LLM(
+        model=prepare_default_model(),
+        attention_backend="ROCKETKV",
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=1024,
+        max_num_seqs=2,
+        max_num_batched_tokens=512,
+        long_prefill_token_threshold=256,
+        kv_cache_memory_bytes=1 << 27,
+        enable_prefix_caching=False,
+        additional_config={
+            "rocketkv": {"prompt_budget": 64, "topk": 32},
+            "rocketkv_testing": {"poison_evicted_blocks": True},
+        },
+    )
+    engine = llm.llm_engine
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free_at_start = pool.get_num_free_blocks()
+    rng = random.Random(5)
+    prompts = {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def add(name, length, n):
+        prompts[name] = TokensPrompt(
+            prompt_token_ids=[rng.randrange(100, 40000) for _ in range(length)]
+        )
+        # n > 1 samples at temperature 1 (aborted before it samples: V2's
+        # top-k kernel does not run under Triton's interpreter)
+        params = greedy if n == 1 else SamplingParams(n=n, temperature=1.0, max_tokens=8)
+        engine.add_request(name, prompts[name], params)
+
+    done, step = {}, 0
+    events = list(ABORT_EVENTS)
+    while events or engine.has_unfinished_requests():
+        while events and events[0][0] == step:
+            _, what, name, length, n = events.pop(0)
+            if what == "add":
+                add(name, length, n)
+            else:
+                engine.abort_request([name])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = ids_and_logprobs(out)
+        step += 1
+    state = existing_worker_state(engine.vllm_config)
+    left = len(state.window_queries)
+    lone = {}
+    for name in sorted(done):
+        engine.add_request(name, prompts[name], greedy)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    lone[out.request_id] = ids_and_logprobs(out)
+    result = {
+        "finished": sorted(done),
+        "outputs": [done[n] for n in sorted(done)],
+        "lone": [lone[n] for n in sorted(done)],
+        "free_blocks": [free_at_start, pool.get_num_free_blocks()],
+        "window_buffers_left": left,
+        "short_windows": state.counters.stage1_short_windows,
+        "prompts_compressed": state.counters.prompts_compressed,
+    }
+    engine.engine_core.shutdown()
+    return result
+
+
 if __name__ == "__main__":
     runner, scenario, out = sys.argv[1:4]
+    result = run_aborts(runner) if scenario == "abort" else run(runner, scenario)
     with open(out, "w") as f:
-        json.dump(run(runner, scenario), f)
+        json.dump(result, f)

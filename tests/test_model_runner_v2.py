@@ -159,3 +159,23 @@ def test_hybrid_model_matches_v1(tmp_path):
     _same_outputs(v2["outputs"], v1["outputs"], abs=1e-4)
     assert v2["cached_tokens"] == v1["cached_tokens"]
     assert v2["decode_tokens_compressed"] == v1["decode_tokens_compressed"]
+
+
+def test_aborts_mid_window_cost_only_the_aborted_requests(tmp_path):
+    """Issue 57's finding 1 and its variants on both runners: two request
+    slots, prompts aborted (one of ``n`` 2) while their observation window
+    spans prefill chunks, beside requests mid-window and new ones. Every
+    request not aborted finishes with its lone run's tokens, the engine
+    serves on (the lone runs), no window buffer outlives its request (V1:
+    none left; V2 keys by slot, at most one per slot) and every block comes
+    back. Before the fix the V1 engine died at step 2."""
+    runs = _run_engines(tmp_path, ("v1", "abort"), ("v2-async", "abort"))
+    for run, buffers_left in zip(runs, (0, 2)):
+        assert run["finished"] == ["A", "C", "E"]
+        _same_outputs(run["outputs"], run["lone"], abs=1e-3)
+        assert run["free_blocks"][1] == run["free_blocks"][0]
+        assert run["window_buffers_left"] <= buffers_left
+        assert run["short_windows"] == 0
+        # the three survivors, each in the storm and alone
+        assert run["prompts_compressed"] == 6
+    _same_outputs(runs[1]["outputs"], runs[0]["outputs"], abs=1e-3)

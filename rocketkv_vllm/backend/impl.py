@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from rocketkv_vllm.backend.graphs import selection_width
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import NativeQuery, native_for_config
 from rocketkv_vllm.backend.stages import stage1_for, stage2_for
+from rocketkv_vllm.backend.window import WindowQueries
 from rocketkv_vllm.budget import max_view_pages
 from rocketkv_vllm.config import settings_for, test_aids_for
 from rocketkv_vllm.fp8_kv import LARGE_CODE, kv_quant_for
@@ -25,49 +27,7 @@ from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.ops.base import HsaRows
 from rocketkv_vllm.state import worker_state
 
-
-class WindowQueries:
-    """Window queries of prompts whose window spans several prefill chunks,
-    keyed by the request (``PromptChunkRow.key``), until the chunk with the
-    prompt's end. At most one buffer per running request: the oldest
-    written go first (requests aborted mid-prompt never reach Stage 1)."""
-
-    def __init__(self, window_size: int, max_buffers: int) -> None:
-        self.window_size = window_size
-        self.max_buffers = max_buffers
-        self._buffers: dict[int | str, torch.Tensor] = {}
-
-    def _here(self, r: PromptChunkRow, query):
-        """(window offset of the first, queries) of this chunk's window part."""
-        n = r.plan.num_prompt_tokens
-        window_start = n - self.window_size
-        end = min(r.q_end, r.q_start + n - r.context_len)
-        first = max(r.q_start, r.q_start + window_start - r.context_len)
-        return r.context_len + first - r.q_start - window_start, query[first:end]
-
-    def keep(self, r: PromptChunkRow, query) -> None:
-        """Remember this chunk's queries that fall in the prompt's window."""
-        offset, q = self._here(r, query)
-        buf = self._buffers.pop(r.key, None)
-        if buf is None:
-            buf = q.new_zeros(self.window_size, *q.shape[1:])
-        self._buffers[r.key] = buf  # newest last
-        while len(self._buffers) > self.max_buffers:
-            del self._buffers[next(iter(self._buffers))]
-        buf[offset : offset + q.shape[0]] = q
-
-    def take(self, r: PromptChunkRow, query) -> torch.Tensor:
-        """The w window queries: earlier chunks' from the buffer, this chunk's."""
-        offset, here = self._here(r, query)
-        if offset == 0:
-            return here
-        earlier = self._buffers.pop(r.key, None)
-        if earlier is None:
-            raise RuntimeError(
-                "ROCKETKV lost the observation-window queries of a request whose "
-                "window spans several prefill chunks"
-            )
-        return torch.cat([earlier[:offset], here])
+logger = init_logger(f"vllm.{__name__}")
 
 
 class RocketKVImpl(AttentionImpl):
@@ -117,7 +77,12 @@ class RocketKVImpl(AttentionImpl):
         # Given-back blocks stay valid prefix-cache entries: then only their
         # KT pages (which no reader of the cache uses) are poisoned.
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        self.counters = worker_state(vllm_config).counters
+        state = worker_state(vllm_config)
+        self.counters = state.counters
+        if state.window_queries is None:
+            state.window_queries = WindowQueries(self.settings.window_size)
+            state.requests.on_leave.append(state.window_queries.forget)
+        self.window_queries = state.window_queries
         # The model's sink logits (a parameter the weight loader fills after
         # this); Stage 1 and 2 read them in fp32, converted once (``_sinks``).
         self.sinks = sinks
@@ -142,9 +107,6 @@ class RocketKVImpl(AttentionImpl):
         )
         self.stage2 = stage2_for(self.settings, self.kv_layout)
         self.stage1 = stage1_for(self.settings)
-        self.window_queries = WindowQueries(
-            self.settings.window_size, vllm_config.scheduler_config.max_num_seqs
-        )
         # The largest eager Stage 2 call: every running request, each with the
         # most view pages (the Triton kernels' fixed eager shape).
         self.max_rows = vllm_config.scheduler_config.max_num_seqs
@@ -198,7 +160,7 @@ class RocketKVImpl(AttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         quant = kv_quant_for(self.kv_cache_dtype, layer)
         for r in md.window_rows:
-            self.window_queries.keep(r, query)
+            self.window_queries.keep(self, r, query)
         for r in md.stage1_rows:
             self._stage1(r, query, kv_cache, quant)
         for rows in md.recompute:
@@ -211,13 +173,20 @@ class RocketKVImpl(AttentionImpl):
         s, plan = self.settings, r.plan
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        window, whole = self.window_queries.take(self, r, query)
+        if not whole:
+            self.counters.stage1_short_windows += 1
+            logger.warning_once(
+                "ROCKETKV: a prompt's earlier observation-window queries were gone at "
+                "its Stage 1; it was scored with its last chunk's window queries only"
+            )
         with self.counters.stage1_timer(query.device):
             kept = self.stage1.compress(
                 k_cache,
                 v_cache,
                 kt_cache,
                 r.block_row,
-                self.window_queries.take(r, query),
+                window,
                 plan.num_prompt_tokens,
                 plan.prompt_budget,
                 plan.tail_start,
