@@ -34,3 +34,24 @@ def test_storm_outputs_equal_lone_runs_on_a_hybrid_model():
     assert oracle["ok"], oracle["mismatches"]
     assert oracle["samples"] == sum(r["n"] for r in records.values())
     assert oracle["tokens_compared"] > 0.9 * sum(r["max_tokens"] * r["n"] for r in records.values())
+
+
+def test_chaos_storm_loses_nothing_and_answers_equal_lone_runs():
+    """The abort-and-chaos storm, CI-sized (issue 57): two request slots
+    short of the pool, prompts around the window's and the chunks' edges,
+    1-4 samples, an abort aimed at each phase of a request as it first
+    appears (a window spanning chunks among them: the abort that used to
+    kill the engine), then every completed sample against its lone run."""
+    storm, records = abort_storm(24, seed=0, model="tiny-gemma3", max_num_seqs=3, chaos=True)
+    assert storm["engine_deaths"] == 0 and not storm["errors"], storm["errors"]
+    assert storm["lost"] == 0
+    assert storm["device_free_at_end"] == storm["device_free_at_start"]
+    assert storm["host_blocks_in_use_at_end"] == 0
+    assert {"waiting", "prefill", "window", "stage 1 next", "decode"} <= set(
+        storm["aborted_in_phase"]
+    )
+    assert any(r["n"] > 2 for r in records.values())
+
+    oracle = oracle_check(records, tie=1e-3, tolerance=1e-3, model="tiny-gemma3")
+    assert oracle["ok"], oracle["mismatches"]
+    assert oracle["samples"] == sum(r["n"] for r in records.values())

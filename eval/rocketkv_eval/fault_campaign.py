@@ -42,6 +42,13 @@
     .venv/bin/python scripts/fault_campaign.py --model tiny-gemma3 \
         --runner v2-async --requests 24 --records R.json
     .venv/bin/python scripts/fault_campaign.py --model tiny-gemma3 --check-records R.json
+    .venv/bin/python scripts/fault_campaign.py --chaos --model tiny-gemma3 --requests 512
+
+3. The abort-and-chaos campaign (``--chaos``, issue 57): storms at
+   ``max_num_seqs`` 2, 3, 4 and vLLM's default, with and without the host
+   tier, prompts around the window's and the chunks' edges, 1-4 samples,
+   aborts aimed at every phase of a request (``PHASES``); every completed
+   sample checked against its lone run (``chaos_campaign``).
 """
 
 from __future__ import annotations
@@ -131,6 +138,8 @@ def abort_storm(
     host_tier: bool = True,
     device_blocks: int | None = None,
     reselect_every: int = 1,
+    max_num_seqs: int | None = 8,
+    chaos: bool = False,
 ) -> dict:
     """``policy`` "priority": vLLM's priority scheduling, requests of three
     priorities; a request short of blocks then preempts the running request
@@ -140,7 +149,12 @@ def abort_storm(
     one); ``device_blocks``: the device pool's size instead of ``MODELS``'s;
     ``reselect_every``: the engine's ``rocketkv.reselect_every`` (the
     selection store's slots then pass between requests as they come, finish,
-    are aborted and preempted)."""
+    are aborted and preempted). ``max_num_seqs`` None: vLLM's default.
+    ``chaos``: the abort-and-chaos storm (issue 57): prompt lengths around
+    the observation window's and the chunks' boundaries, 1-4 parallel
+    samples, two prompts' chunks a step (so several windows span chunks at
+    once), each abort aimed at a phase (``PHASES``) chosen among those some
+    live request is in, and an engine that dies recorded, not raised."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
 
     from vllm.inputs import TokensPrompt
@@ -148,15 +162,19 @@ def abort_storm(
     from rocketkv_eval.engines import scheduler
     from rocketkv_vllm.state import worker_state
 
+    sizes = dict(max_num_batched_tokens=CHUNK)
+    if chaos:  # two prompts' chunks of CHUNK a step
+        sizes = dict(max_num_batched_tokens=2 * CHUNK, long_prefill_token_threshold=CHUNK)
+    if max_num_seqs is not None:
+        sizes["max_num_seqs"] = max_num_seqs
     llm = _engine(
         model,
         "storm",
         host_tier,
         device_blocks,
         reselect_every,
-        max_num_batched_tokens=CHUNK,
-        max_num_seqs=8,
         scheduling_policy=policy,
+        **sizes,
     )
     engine = llm.llm_engine
     sched = scheduler(llm)
@@ -175,14 +193,20 @@ def abort_storm(
     # (request id, sample index) -> its tokens when first preempted
     preempted_at: dict[tuple[str, int], int] = {}
     errors: list[str] = []
+    aborted_in: dict[str, int] = {}  # phase -> aborts aimed at it
+    deaths = 0
     added = 0
     steps = 0
     started = time.perf_counter()
     while added < num_requests or live:
         while added < num_requests and len(live) < 12 and rng.random() < 0.5:
             doc = documents[rng.randrange(len(documents))]
+            if chaos and rng.random() < 0.5:
+                # A document of its own: no hit, so its chunks start at 0 and
+                # a prompt just past a chunk's end holds its window across two.
+                doc = [rng.randrange(100, 40000) for _ in range(1800)]
             # Shared documents with other tails: prefix hits on the device and the host.
-            prompt = doc[: rng.randrange(400, 1000)] + [rng.randrange(100, 40000)] * 40
+            prompt = doc[: _prefix_length(rng, chaos)] + [rng.randrange(100, 40000)] * 40
             turn_of = None
             if records and rng.random() < 0.3:
                 # A chat's next turn: a finished request's prompt and answer, a new
@@ -194,10 +218,12 @@ def abort_storm(
                     prompt = after
                 else:
                     turn_of = None
-            max_tokens = min(rng.randrange(100, 400), MAX_MODEL_LEN - len(prompt))
+            # (chaos: short answers, so the storm's steps go to its phases, not long decodes)
+            longest = rng.randrange(8, 64) if chaos else rng.randrange(100, 400)
+            max_tokens = min(longest, MAX_MODEL_LEN - len(prompt))
             # Own budgets (0: uncompressed) and parallel samples beside the engine's.
             budget = [None, 0, None, 128, None, 512][added % 6]
-            n = 2 if added % 5 == 2 and not _on_model_runner_v2() else 1
+            n = _samples(added, rng, chaos)
             rid = f"req-{added}"
             priority = added % 3 if policy == "priority" else 0
             engine.add_request(
@@ -216,18 +242,33 @@ def abort_storm(
                 priority=priority,
             )
             added += 1
-        # The storm: a third of the requests aborted, at any stage.
-        if live and len(aborted) < num_requests // 3 and rng.random() < 0.04:
-            victim = rng.choice(sorted(live))
-            engine.abort_request([victim])
-            aborted.add(victim)
-            del live[victim]
+        # The storm: a third of the requests aborted, at any stage (chaos: aimed).
+        if live and len(aborted) < num_requests // 3:
+            victim = None
+            if chaos:
+                phase, victim = _aimed_abort(sched, live, aborted_in, rng)
+                if phase not in aborted_in or rng.random() < 0.08:
+                    aborted_in[phase] = aborted_in.get(phase, 0) + 1
+                else:
+                    victim = None
+            elif rng.random() < 0.04:
+                victim = rng.choice(sorted(live))
+            if victim is not None:
+                engine.abort_request([victim])
+                aborted.add(victim)
+                del live[victim]
         for request in sched.requests.values():  # preempted in the last step, if at all
             if request.num_preemptions:
                 sample = (_caller_id(request.request_id), _sample_index(request.request_id))
                 preempted_at.setdefault(sample, request.num_output_tokens)
             preempted[request.request_id] = request.num_preemptions
-        for out in engine.step():
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - the campaign counts engine deaths
+            errors.append(f"engine died at step {steps}: {e!r}")
+            deaths += 1
+            break
+        for out in outputs:
             if out.finished and out.request_id in live:
                 produced = [len(sample.token_ids) for sample in out.outputs]
                 if produced != [live[out.request_id]] * asked[out.request_id]["n"]:
@@ -260,6 +301,10 @@ def abort_storm(
         "aborted": len(aborted),
         "lost": num_requests - len(records) - len(aborted),
         "errors": errors,
+        "engine_deaths": deaths,
+        "max_num_seqs": max_num_seqs,
+        "host_tier": host_tier,
+        "aborted_in_phase": aborted_in,
         "steps": steps,
         "seconds": round(time.perf_counter() - started, 1),
         "device_free_at_start": free_at_start,
@@ -275,6 +320,7 @@ def abort_storm(
             "a prefix hit": sum(bool(r["cached"]) for r in records.values()),
             "a chat turn's prompt": sum(bool(r["turn_of"]) for r in records.values()),
             "2 samples": sum(r["n"] == 2 for r in records.values()),
+            "3-4 samples": sum(r["n"] > 2 for r in records.values()),
             "budget 0": sum(r["budget"] == 0 for r in records.values()),
             "a preemption": sum(bool(r["preemptions"]) for r in records.values()),
         },
@@ -284,6 +330,8 @@ def abort_storm(
             if k.startswith("host_")
         },
     }
+    if deaths:  # what was live went down with the engine
+        result["lost"] += len(live)
     result["ok"] = (
         not errors
         and result["lost"] == 0
@@ -292,8 +340,128 @@ def abort_storm(
         and host_in_use == 0
         and (reselect_every == 1 or result["decode_selections_reused"] > 0)
     )
-    llm.llm_engine.engine_core.shutdown()
+    if not deaths:
+        llm.llm_engine.engine_core.shutdown()
     return result, records
+
+
+WINDOW = 32  # the storm engines' observation window (rocketkv.window_size's default)
+
+# Where a chaos storm aims an abort, by what the scheduler holds of a request
+# (its first sample's): not yet scheduled; back in the queue after a
+# preemption; prefilling before its window; prefilling inside its window (its
+# window queries span chunks: issue 57's finding); its next chunk ends the
+# prompt (the Stage 1 step); Stage 1 just ran (its evicted blocks being given
+# back); decoding.
+PHASES = ("waiting", "preempted", "prefill", "window", "stage 1 next", "compressed", "decode")
+
+
+def _phase(request) -> str:
+    n, done = request.num_prompt_tokens, request.num_computed_tokens
+    if request.status.name == "PREEMPTED":
+        return "preempted"
+    if done == 0:
+        return "waiting"
+    if done < n:
+        return _prefill_phase(n, done)
+    return "compressed" if request.num_output_tokens <= 1 else "decode"
+
+
+def _prefill_phase(n: int, done: int) -> str:
+    if n - done <= CHUNK:
+        return "window" if done > n - WINDOW else "stage 1 next"
+    return "prefill"
+
+
+def _aimed_abort(
+    sched, live: dict[str, int], aborted_in: dict[str, int], rng: random.Random
+) -> tuple[str, str]:
+    """(phase, caller id): of the phases some live request is in, one aimed
+    at least so far (a request spends a step or two in the prefill phases
+    and many decoding), then one of its requests. The storm aborts it at
+    once where no abort has hit that phase yet, else one step in 12."""
+    by_phase: dict[str, list[str]] = {}
+    seen = set()
+    for request in sched.requests.values():
+        caller = _caller_id(request.request_id)
+        if caller in live and caller not in seen and not request.is_finished():
+            seen.add(caller)
+            by_phase.setdefault(_phase(request), []).append(caller)
+    # Added this step, not yet in the scheduler's table: waiting.
+    by_phase.setdefault("waiting", []).extend(sorted(set(live) - seen))
+    present = [p for p, ids in by_phase.items() if ids]
+    fewest = min(aborted_in.get(p, 0) for p in present)
+    phase = rng.choice(sorted(p for p in present if aborted_in.get(p, 0) == fewest))
+    return phase, rng.choice(sorted(by_phase[phase]))
+
+
+def _prefix_length(rng: random.Random, chaos: bool) -> int:
+    """A prompt's document part (40 tokens of its own follow): 400-1000
+    tokens, or in a chaos storm half the time a prompt length just around a
+    chunk's end or its window's start (1-3 chunks)."""
+    if not chaos or rng.random() < 0.5:
+        return rng.randrange(400, 1000)
+    edge = rng.choice((0, WINDOW))
+    return rng.randrange(1, 4) * CHUNK + edge + rng.choice((-2, -1, 0, 1, 2, 5)) - 40
+
+
+def _samples(added: int, rng: random.Random, chaos: bool) -> int:
+    if _on_model_runner_v2():
+        return 1
+    if chaos:
+        return rng.choice((1, 1, 1, 2, 3, 4))
+    return 2 if added % 5 == 2 else 1
+
+
+# The chaos campaign's cells: (max_num_seqs, host tier); None: vLLM's default.
+CHAOS_CELLS = tuple((seqs, host) for host in (True, False) for seqs in (2, 3, 4, None))
+
+
+def chaos_campaign(num_requests: int, seed: int, model: str = "smollm2") -> dict:
+    """The abort-and-chaos campaign (issue 57): ``num_requests`` shared
+    among ``CHAOS_CELLS`` (on Model Runner V2 only the cells without a host
+    tier), each a chaos storm (``abort_storm(chaos=True)``) whose completed
+    requests are then checked against lone runs (``oracle_check``). Passes
+    with no engine death, no request lost or errored, every pool back at its
+    starting count, every completed sample equal to its lone run, and, over
+    the campaign, preemptions and an abort aimed at every phase."""
+    cells = [c for c in CHAOS_CELLS if not (c[1] and _on_model_runner_v2())]
+    per_cell = -(-num_requests // len(cells))
+    results = []
+    for i, (seqs, host) in enumerate(cells):
+        storm, records = abort_storm(
+            per_cell, seed + i, model, host_tier=host, max_num_seqs=seqs, chaos=True
+        )
+        oracle = oracle_check(records, 1e-3, 1e-3, model=model) if records else {"ok": True}
+        storm["oracle"] = {k: v for k, v in oracle.items() if k != "tie_divergences"}
+        storm["ok"] = (
+            not storm["errors"]
+            and storm["lost"] == 0
+            and storm["device_free_at_end"] == storm["device_free_at_start"]
+            and storm["host_blocks_in_use_at_end"] == 0
+            and oracle["ok"]
+        )
+        results.append(storm)
+        print(json.dumps({k: storm[k] for k in ("max_num_seqs", "host_tier", "ok")}), flush=True)
+    phases: dict[str, int] = {}
+    for r in results:
+        for phase, count in r["aborted_in_phase"].items():
+            phases[phase] = phases.get(phase, 0) + count
+    total = {
+        key: sum(r[key] for r in results)
+        for key in ("requests", "completed", "aborted", "lost", "engine_deaths", "preemptions")
+    }
+    total["samples_compared"] = sum(r["oracle"].get("samples", 0) for r in results)
+    total["tokens_compared"] = sum(r["oracle"].get("tokens_compared", 0) for r in results)
+    total["mismatches"] = sum(len(r["oracle"].get("mismatches", ())) for r in results)
+    total["aborted_in_phase"] = phases
+    return {
+        "cells": results,
+        "total": total,
+        "ok": all(r["ok"] for r in results)
+        and total["preemptions"] > 0
+        and set(phases) == set(PHASES),
+    }
 
 
 def _count_withdrawn_chunks(sched) -> list[int]:
@@ -726,6 +894,12 @@ def main() -> None:
         default=1,
         help="rocketkv.reselect_every of the storm's and the lone runs' engines",
     )
+    parser.add_argument(
+        "--chaos",
+        action="store_true",
+        help="the abort-and-chaos campaign: --requests shared among CHAOS_CELLS, each "
+        "storm checked against lone runs",
+    )
     parser.add_argument("--servers", action="store_true", help="also the server phase")
     parser.add_argument("--second-user", type=int, default=None, help="uid of server B")
     parser.add_argument(
@@ -753,6 +927,9 @@ def main() -> None:
             )
         }
         _report(result, args.json)
+        return
+    if args.chaos:
+        _report({"chaos": chaos_campaign(args.requests, args.seed, args.model)}, args.json)
         return
     storm, records = abort_storm(
         args.requests,
