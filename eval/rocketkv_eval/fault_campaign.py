@@ -414,17 +414,30 @@ def _samples(added: int, rng: random.Random, chaos: bool) -> int:
 
 
 # The chaos campaign's cells: (max_num_seqs, host tier); None: vLLM's default.
-CHAOS_CELLS = tuple((seqs, host) for host in (True, False) for seqs in (2, 3, 4, None))
+# Each setting with and without the host tier comes before any repeats.
+CHAOS_CELLS = (
+    (2, True),
+    (3, False),
+    (4, True),
+    (None, False),
+    (2, False),
+    (3, True),
+    (4, False),
+    (None, True),
+)
 
 
-def chaos_campaign(num_requests: int, seed: int, model: str = "smollm2") -> dict:
+def chaos_campaign(
+    num_requests: int, seed: int, model: str = "smollm2", partial: str | None = None
+) -> dict:
     """The abort-and-chaos campaign (issue 57): ``num_requests`` shared
     among ``CHAOS_CELLS`` (on Model Runner V2 only the cells without a host
     tier), each a chaos storm (``abort_storm(chaos=True)``) whose completed
     requests are then checked against lone runs (``oracle_check``). Passes
     with no engine death, no request lost or errored, every pool back at its
     starting count, every completed sample equal to its lone run, and, over
-    the campaign, preemptions and an abort aimed at every phase."""
+    the campaign, preemptions and an abort aimed at every phase. ``partial``:
+    a file rewritten with the cells done after each."""
     cells = [c for c in CHAOS_CELLS if not (c[1] and _on_model_runner_v2())]
     per_cell = -(-num_requests // len(cells))
     results = []
@@ -443,6 +456,9 @@ def chaos_campaign(num_requests: int, seed: int, model: str = "smollm2") -> dict
         )
         results.append(storm)
         print(json.dumps({k: storm[k] for k in ("max_num_seqs", "host_tier", "ok")}), flush=True)
+        if partial:  # the cells so far, in case the campaign is cut short
+            with open(partial, "w") as f:
+                json.dump({"cells": results}, f, indent=1)
     phases: dict[str, int] = {}
     for r in results:
         for phase, count in r["aborted_in_phase"].items():
@@ -929,7 +945,8 @@ def main() -> None:
         _report(result, args.json)
         return
     if args.chaos:
-        _report({"chaos": chaos_campaign(args.requests, args.seed, args.model)}, args.json)
+        partial = f"{args.json}.partial" if args.json else None
+        _report({"chaos": chaos_campaign(args.requests, args.seed, args.model, partial)}, args.json)
         return
     storm, records = abort_storm(
         args.requests,
