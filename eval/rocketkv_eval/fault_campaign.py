@@ -242,21 +242,23 @@ def abort_storm(
                 priority=priority,
             )
             added += 1
-        # The storm: a third of the requests aborted, at any stage (chaos: aimed).
-        if live and len(aborted) < num_requests // 3:
-            victim = None
-            if chaos:
-                phase, victim = _aimed_abort(sched, live, aborted_in, rng)
-                if phase not in aborted_in or rng.random() < 0.08:
-                    aborted_in[phase] = aborted_in.get(phase, 0) + 1
-                else:
-                    victim = None
-            elif rng.random() < 0.04:
-                victim = rng.choice(sorted(live))
-            if victim is not None:
-                engine.abort_request([victim])
-                aborted.add(victim)
-                del live[victim]
+        # The storm: a third of the requests aborted, at any stage (chaos:
+        # aimed, and a phase's first abort whatever the third, so rare phases
+        # such as a preempted request's are reached).
+        room = len(aborted) < num_requests // 3
+        victim = None
+        if live and chaos:
+            phase, victim = _aimed_abort(sched, live, aborted_in, rng)
+            if phase not in aborted_in or (room and rng.random() < 0.08):
+                aborted_in[phase] = aborted_in.get(phase, 0) + 1
+            else:
+                victim = None
+        elif live and room and rng.random() < 0.04:
+            victim = rng.choice(sorted(live))
+        if victim is not None:
+            engine.abort_request([victim])
+            aborted.add(victim)
+            del live[victim]
         for request in sched.requests.values():  # preempted in the last step, if at all
             if request.num_preemptions:
                 sample = (_caller_id(request.request_id), _sample_index(request.request_id))
