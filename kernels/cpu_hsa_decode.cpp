@@ -33,7 +33,10 @@
 // denominator and has no value (rocketkv_vllm/algorithm/sinks.py).
 // Optional selection store (rocketkv_vllm/ops/base.py, Stage2.decode): int32
 // [S, Hkv, W] view page indices; a row with a slot either writes the pages it
-// chose there or (reuse) attends the ones stored instead of choosing.
+// chose there or (reuse) attends the ones stored instead of choosing. A (row,
+// KV head) whose n stored entries do not fit the store or are not all pages of
+// its view chooses and writes instead (as the Triton kernels and the PyTorch
+// path do): a bad entry is never read as a page, and never stops the engine.
 
 // ATen and torch/python.h (the pybind11 tensor casters), not torch/extension.h:
 // the whole C++ frontend it adds is a third of the build time and unused here.
@@ -420,8 +423,12 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
         q[g * d + c] = to_float(q_ptr[b * q_sb + (h * G + g) * q_sh + c]);
     const int64_t slot = sel.entries ? sel.slot[b] : -1;
     int32_t* entry = slot >= 0 ? sel.entries + (slot * Hkv + h) * sel.width : nullptr;
+    const bool reusing = entry && sel.reuse[b] && n <= sel.width &&
+                         std::all_of(entry, entry + n, [&](int32_t p) {
+                           return p >= 0 && p < view.num_pages;
+                         });
     std::vector<int64_t> order;
-    if (entry && sel.reuse[b]) {
+    if (reusing) {
       order.assign(entry, entry + n);  // no scoring: what reuse saves
     } else {
       order = choose_pages(b, h, view, n, q);
@@ -479,15 +486,12 @@ void hsa_decode_impl(const torch::Tensor& query, torch::Tensor& kv_cache,
   });
 }
 
-// The store's tensors checked against the call's rows (before any KT page is
-// touched): reused entries are read as page indices, so a bad one would read
-// outside the row's view.
+// The store's tensors and the rows' slots checked (caller bugs); the stored
+// entries are checked where read (row_head: a bad one means choosing anew).
 Selections check_selections(const std::optional<torch::Tensor>& selections,
                             const std::optional<torch::Tensor>& sel_slot,
                             const std::optional<torch::Tensor>& reuse, int64_t num_kv_heads,
-                            const torch::Tensor& nc, const torch::Tensor& ts,
-                            const torch::Tensor& sl, const torch::Tensor& ns, int64_t page_size,
-                            bool force_current_page) {
+                            const torch::Tensor& sl) {
   const bool given = selections.has_value();
   TORCH_CHECK(sel_slot.has_value() == given && reuse.has_value() == given,
               "hsa_decode: selections, sel_slot and reuse come together");
@@ -506,26 +510,12 @@ Selections check_selections(const std::optional<torch::Tensor>& selections,
   const Selections sel{selections->data_ptr<int32_t>(), sel_slot->data_ptr<int32_t>(),
                        reuse->data_ptr<int32_t>(), selections->size(2)};
   const int64_t S = selections->size(0);
-  const int32_t *nc_p = nc.data_ptr<int32_t>(), *ts_p = ts.data_ptr<int32_t>(),
-                *sl_p = sl.data_ptr<int32_t>(), *ns_p = ns.data_ptr<int32_t>();
+  const int32_t* sl_p = sl.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
     if (sl_p[b] <= 0) continue;  // padding: never touches the store
     const int64_t slot = sel.slot[b];
     TORCH_CHECK(slot >= -1 && slot < S, "hsa_decode: row ", b, "'s sel_slot ", slot,
                 " is outside [-1, ", S, ")");
-    if (!sel.reuse[b]) continue;
-    TORCH_CHECK(slot >= 0, "hsa_decode: row ", b, " reuses but has no sel_slot");
-    const View view(nc_p[b], ts_p[b], sl_p[b], page_size);
-    const int64_t n = view.selection_size(ns_p[b], force_current_page);
-    TORCH_CHECK(n <= sel.width, "hsa_decode: row ", b, " reuses ", n,
-                " pages, more than the store's width ", sel.width);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t i = 0; i < n; ++i) {
-        const int32_t p = sel.entries[(slot * num_kv_heads + h) * sel.width + i];
-        TORCH_CHECK(p >= 0 && p < view.num_pages, "hsa_decode: row ", b, " reuses page ", p,
-                    " of a view of ", view.num_pages, " pages (slot ", slot, ", KV head ", h,
-                    ")");
-      }
   }
   return sel;
 }
@@ -586,8 +576,7 @@ torch::Tensor hsa_decode(torch::Tensor query, torch::Tensor kv_cache, torch::Ten
   if (table.stride(1) != 1) table = table.contiguous();
   auto nc = as_i32(num_compact), ts = as_i32(tail_start), sl = as_i32(seq_lens),
        tr = as_i32(topr), ns = as_i32(num_select);
-  const Selections sel = check_selections(selections, sel_slot, reuse, kv_cache.size(1), nc, ts,
-                                          sl, ns, page_size, force_current_page);
+  const Selections sel = check_selections(selections, sel_slot, reuse, kv_cache.size(1), sl);
   // The dtypes vLLM serves in (no float64): each one is 9 instantiations
   // (3 layouts x 3 KV/KT formats), the bulk of the first-use build.
   auto for_dtype = [&](auto dtype_tag) {

@@ -58,13 +58,17 @@ n_use[b] = min(max(topk[b] // ps, 1) + f, P[b], n_sel) pages per row, f = 1
 with force_current_page (else 0), n_sel = min(max_select + f, max_pages).
 
 Selection reuse (REUSE, both kernels; off: not compiled in): a store int32
-[S, Hkv, W] and per row a slot (-1: none) and a reuse flag. A reusing row
-(flag set, slot >= 0) still gets its KT page refreshed, then its scoring
-programs return; in the selection launch its split 0 copies
-store[slot, h, :n_use] into sel and the others do nothing (no candidates,
-its counter untouched). Any other row with a slot has its merged pages
-(ascending) written to its slot too, by the merging program, where
-n_use <= W. Same two launches.
+[S, Hkv, W] and per row a slot (-1: none) and a reuse flag. A (row, KV
+head) reuses when the flag is set, slot >= 0, n_use <= W and its n_use
+entries store[slot, h, :n_use] all lie in [0, P) (``_store_reuse``: both
+kernels read the same entries, so they agree; a store that broke its
+invariant is never read, that (row, head) selects anew instead, as
+``ops.cpu`` and ``ops.pytorch`` do). A reusing (row, head) still gets its
+KT page refreshed, then its scoring programs return; in the selection
+launch its split 0 copies the entries into sel and the others do nothing
+(no candidates, its counter untouched). Any other (row, head) with a slot
+has its merged pages (ascending) written to its slot too, by the merging
+program, where n_use <= W. Same two launches.
 
 ``select_pages`` (probabilities given, e.g. by a test) runs the selection
 kernel alone on them (``FROM_PROBS``), or ``torch.topk`` on request.
@@ -99,6 +103,8 @@ from rocketkv_vllm.kernels.kt_update import refresh_kt_row
 _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E)
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Store entries a reuse check reads at once (n_use is a few dozen to a few hundred).
+_STORE_CHUNK = tl.constexpr(128)
 
 
 @triton.jit
@@ -147,6 +153,28 @@ def _store_row(store_ptr, slot, bh, num_kv_heads, store_width):
 
 
 @triton.jit
+def _store_reuse(
+    store_ptr, slot_ptr, reuse_ptr, b, bh, num_kv_heads, store_width, n_use, num_pages
+):
+    """(slot, its entries for bh's KV head, reusing): reusing = row b's reuse
+    flag and slot set and the n_use entries all pages of its view [0,
+    num_pages) (else it selects anew: a bad entry is never read as a page).
+    Both kernels decide with it per (row, KV head)."""
+    slot, reusing = _store_slot(slot_ptr, reuse_ptr, b)
+    store_row = _store_row(store_ptr, slot, bh, num_kv_heads, store_width)
+    if reusing:  # (checked only then: unconditional, ptxas spilled in _select_kernel)
+        fits = n_use <= store_width
+        n = tl.where(fits, n_use, 0)
+        bad = (~fits).to(tl.int32)
+        for i0 in range(0, n, _STORE_CHUNK):
+            i = i0 + tl.arange(0, _STORE_CHUNK)
+            p = tl.load(store_row + i, mask=i < n, other=0)
+            bad += tl.sum(((p < 0) | (p >= num_pages)).to(tl.int32), 0)
+        reusing = bad == 0
+    return slot, store_row, reusing
+
+
+@triton.jit
 def _copy_pages(src, dst, n, BLOCK: tl.constexpr):
     """dst[0:n] = src[0:n] (int32 page indices)."""
     for i0 in range(0, n, BLOCK):
@@ -174,11 +202,16 @@ def _score_kernel(
     pm_ptr,
     pl_ptr,
     k_ptr,
+    topk_ptr,
+    store_ptr,
     slot_ptr,
     reuse_ptr,
     num_kv_heads,
     max_pages,
     num_splits,
+    num_sel,
+    extra,
+    store_width,
     k_scale,
     stride_qb,
     stride_qh,
@@ -219,6 +252,11 @@ def _score_kernel(
     row_pages = tl.minimum(num_pages, max_pages)
     chunk, lo, hi = _split_range(row_pages, num_splits, split, BLOCK_P)
     row_bt = bt_ptr + b.to(tl.int64) * stride_bt
+    if REUSE:  # decided before the refresh (after it: +30 registers on sm_90)
+        n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
+        _, _, reusing = _store_reuse(
+            store_ptr, slot_ptr, reuse_ptr, b, bh, num_kv_heads, store_width, n_use, num_pages
+        )
     if UPDATE_KT:
         # The newest token's page is the row's last: the split scoring it
         # refreshes its KT row first (no other program reads that row).
@@ -248,8 +286,7 @@ def _score_kernel(
             tl.debug_barrier()  # this program's loads below see the new row
     if REUSE:
         # a row attending its stored pages scores nothing (KT page refreshed
-        # above; _select_kernel reads no partial of it)
-        _, reusing = _store_slot(slot_ptr, reuse_ptr, b)
+        # above; _select_kernel, deciding the same, reads no partial of it)
         if reusing:
             return
 
@@ -597,7 +634,8 @@ def _select_kernel(
     a row may have more than MERGE_BLOCK candidates (read back per step). REUSE: the
     selection store [S, Hkv, store_width]: a reusing row's split 0 copies
     its slot's n_use pages into sel, its other splits do nothing (no
-    candidates, no counter); another row with a slot gets its merged pages
+    candidates, no counter); another row with a slot (one whose stored
+    pages fail ``_store_reuse``'s check included) gets its merged pages
     stored there."""
     grid_dependency(PDL)
     bh = tl.program_id(0)
@@ -606,12 +644,13 @@ def _select_kernel(
     nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
     row_pages = tl.minimum(num_pages, max_pages)
     if REUSE:
-        slot, reusing = _store_slot(slot_ptr, reuse_ptr, b)
         # the slot's address now and no early return below: with either
         # changed, ptxas spilled a few bytes (sm_90, eager launch shapes)
-        store_row = _store_row(store_ptr, slot, bh, num_kv_heads, store_width)
+        n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
+        slot, store_row, reusing = _store_reuse(
+            store_ptr, slot_ptr, reuse_ptr, b, bh, num_kv_heads, store_width, n_use, num_pages
+        )
         if reusing & (split == 0):
-            n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
             _copy_pages(store_row, sel_ptr + bh.to(tl.int64) * num_sel, n_use, CAND_PAD)
         choosing = not reusing
     else:
@@ -866,11 +905,15 @@ def launch_score(
     k_cache=None,
     sel_slot: torch.Tensor | None = None,
     reuse: torch.Tensor | None = None,
+    selections: torch.Tensor | None = None,
+    topk: torch.Tensor | None = None,
+    force_current_page: bool = False,
 ) -> None:
     """``_score_kernel``; with ``k_cache`` (a [num_blocks, Hkv, bs, d] view
     or an ``fp8_kv.Fp8KV``) each row's newest KT page is refreshed first.
-    sel_slot, reuse ([B] int32, both or neither: REUSE): rows reusing their
-    stored selection (``launch_select``) score nothing."""
+    sel_slot, reuse, selections, topk (all or none: REUSE; force_current_page
+    as ``launch_select``'s): rows reusing their stored selection
+    (``launch_select``) score nothing."""
     batch, hq, d = query.shape
     _, hkv, pages_per_block, width = kt_cache.shape
     assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
@@ -886,9 +929,14 @@ def launch_score(
     else:
         k_cache, fp8, k_scale, k_strides = kt_cache, 0, 1.0, (0, 0, 0, 0)
     reuse_on = reuse is not None
-    assert reuse_on == (sel_slot is not None)
-    if not reuse_on:  # not read
-        sel_slot = reuse = topr
+    assert reuse_on == (sel_slot is not None) == (selections is not None) == (topk is not None)
+    if reuse_on:
+        assert selections.dtype == torch.int32 and selections.is_contiguous()
+        assert selections.dim() == 3 and selections.shape[1] == hkv
+        store_width = selections.shape[2]
+    else:  # not read
+        sel_slot = reuse = topk = selections = topr
+        store_width = 0
     half = _half_type(kt_cache)
     pdl = uses_pdl(query.device)
     # 4 warps up to d 128: more programs resident per SM than with 8 (sm_90,
@@ -906,11 +954,16 @@ def launch_score(
         scratch.part_m,
         scratch.part_l,
         k_cache,
+        topk,
+        selections,
         sel_slot,
         reuse,
         hkv,
         plan.max_pages,
         plan.splits,
+        plan.n_sel,
+        1 if force_current_page else 0,
+        store_width,
         k_scale,
         query.stride(0),
         query.stride(1),

@@ -490,6 +490,81 @@ def test_cpu_stage2_passes_the_store():
         stage2.decode(q, t.kv, rows(seq, 0, None), t.d**-0.5, selections=store)
 
 
+def _store_decode(t, impl, cache, query, seq, **store):
+    """One decode step of ``impl`` ("native": the C++ kernel, "torch": the
+    PyTorch path) on ``cache`` (a ``_Setup.copy()``)."""
+    kv, k, v, kt = cache
+    if impl == "native":
+        return t.native(query, seq, kv, kt, **store)
+    view = torch_ops.view_pages(
+        t.table, t.num_compact, t.tail_start, seq, t.ps, t.bs, int(t.num_pages(seq).max())
+    )
+    args = (t.table, seq, view, t.topr, t.num_select, int(t.num_select.max()), t.ps, t.d**-0.5)
+    return torch_ops.hsa_decode(query, k, v, kt, *args, t.force, **store)
+
+
+@pytest.mark.parametrize(
+    "impl,layout,force", [("native", "cpu_vec", True), ("torch", "head_rows", False)]
+)
+def test_stage2_store_entries_outside_the_view_reselect(impl, layout, force):
+    """The store's invariant, checked where read: a (row, KV head) whose n
+    stored entries are not all pages of its view (>= P, negative) does not
+    reuse but chooses and stores anew -- output and store entries those of
+    the same step without reuse, no raise -- while the other (row, head)s
+    reuse their valid entries (attention over the stored pages, which
+    differ from a reselect's somewhere)."""
+    t = _Setup(layout, force, seed=5)
+    batch, g = len(t.prompt), t.g
+    reused, fresh = t.copy(), t.copy()  # the same caches, two runs
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    no_reuse = torch.zeros(batch, dtype=torch.int32)
+    store = torch.full((4, t.hkv, 11), _EMPTY, dtype=torch.int32)
+    seq1, seq2 = t.prompt + 1, t.prompt + 2
+    q1, q2 = t.query(), t.query()
+    stores = [store.clone(), store.clone()]
+    for cache, step1 in zip((reused, fresh), stores):  # step 1: every row chooses, stores
+        _store_decode(t, impl, cache, q1, seq1, selections=step1, sel_slot=slots, reuse=no_reuse)
+    stored1 = stores[0]
+    assert torch.equal(stored1, stores[1]) and not (stored1 == _EMPTY).all()
+    n, pages = t.selection_size(seq2), t.num_pages(seq2)
+    assert torch.equal(n, t.selection_size(seq1)), "the token must not open a page"
+    bad = stored1.clone()
+    corrupt = {(0, 0): (0, pages[0]), (0, 2): (n[0] - 1, pages[0] + 5), (1, 1): (0, -1)}
+    for (b, h), (i, page) in corrupt.items():
+        bad[slots[b], h, i] = page
+    # step 2: every row flagged to reuse
+    got = _store_decode(
+        t, impl, reused, q2, seq2, selections=bad, sel_slot=slots, reuse=no_reuse + 1
+    )
+    want_store = stored1.clone()
+    want = _store_decode(
+        t, impl, fresh, q2, seq2, selections=want_store, sel_slot=slots, reuse=no_reuse
+    )
+    _, k, v, _ = reused
+    view = torch_ops.view_pages(
+        t.table, t.num_compact, t.tail_start, seq2, t.ps, t.bs, int(pages.max())
+    )
+    width = int(n.max())
+    top = stored1[slots, :, :width].long().clamp_min(0)
+    valid = (torch.arange(width) < n[:, None, None]).expand_as(top)
+    over_stored = torch_ops.sparse_attention(q2, k, v, view, top, valid, t.ps, t.d**-0.5)
+    changed = 0
+    for b in range(batch):
+        for h in range(t.hkv):
+            heads, entry = slice(h * g, (h + 1) * g), (slots[b], h)
+            if (b, h) in corrupt:  # chose afresh, as without reuse
+                assert torch.equal(got[b, heads], want[b, heads]), (b, h)
+                assert torch.equal(bad[entry], want_store[entry]), (b, h)
+            else:  # reused
+                torch.testing.assert_close(
+                    got[b, heads], over_stored[b, heads], rtol=1e-5, atol=1e-5
+                )
+                assert torch.equal(bad[entry], stored1[entry]), (b, h)
+                mine = set(stored1[entry][: n[b]].tolist())
+                changed += mine != set(want_store[entry][: n[b]].tolist())
+    assert changed, "step 2 would choose step 1's pages anyway: reuse untested"
+
+
 def _one_row_call(**store):
     """A one-row call on an empty cache: view of 2 pages, n = 1 (no forced page)."""
     storage, block_elems = _cache(1, 32, 32, 4, torch.float32)
@@ -532,9 +607,6 @@ _I32 = torch.int32
         (torch.zeros(1, 1, 8, dtype=_I32)[..., ::2], 0, 0, "contiguous int32 CPU tensor"),
         (torch.zeros(1, 2, 4, dtype=_I32), 0, 0, r"must be \[S, 1, W\]"),
         (torch.zeros(1, 1, 4, dtype=_I32), 1, 0, "outside"),
-        (torch.zeros(1, 1, 4, dtype=_I32), -1, 1, "reuses but has no sel_slot"),
-        (torch.zeros(1, 1, 0, dtype=_I32), 0, 1, "more than the store's width"),
-        (torch.full((1, 1, 4), 2, dtype=_I32), 0, 1, "reuses page 2 of a view of 2 pages"),
     ],
 )
 def test_selection_store_is_checked(store, slot, reuse, message):
@@ -544,6 +616,24 @@ def test_selection_store_is_checked(store, slot, reuse, message):
             sel_slot=torch.tensor([slot], dtype=_I32),
             reuse=torch.tensor([reuse], dtype=_I32),
         )
+
+
+@pytest.mark.parametrize(
+    "store,slot",
+    [
+        (torch.zeros(1, 1, 4, dtype=_I32), -1),  # reuse without a slot
+        (torch.zeros(1, 1, 0, dtype=_I32), 0),  # n = 1 page, more than the store holds
+        (torch.full((1, 1, 4), 2, dtype=_I32), 0),  # page 2 of a view of 2 pages
+    ],
+)
+def test_selection_store_that_cannot_serve_reselects(store, slot):
+    """Per-request data, not a caller bug: no raise, the row chooses anew."""
+    got = _one_row_call(
+        selections=store, sel_slot=torch.tensor([slot], dtype=_I32), reuse=torch.ones(1, dtype=_I32)
+    )
+    torch.testing.assert_close(got, _one_row_call(), rtol=0, atol=0, equal_nan=True)
+    if slot >= 0 and store.shape[-1]:
+        assert store[0, 0, 0] in (0, 1)  # its choice stored
 
 
 def test_selection_rows_are_checked():

@@ -1328,6 +1328,90 @@ def test_hsa_decode_selection_reuse(hkv, g, d, bs, ps, dtype, force, layout, kt_
     assert torch.equal(store[0, :, n_use[1] :], stored1[0, :, n_use[1] :])
 
 
+def test_hsa_decode_store_entries_outside_the_view_reselect():
+    """The store's invariant, checked where read (both kernels decide alike
+    per (row, KV head)): one whose n_use stored entries are not all pages of
+    its view (>= P, negative) or that selects more pages than the store
+    holds does not reuse but scores, selects and stores anew -- output and
+    store those of the same step without reuse, no raise -- while the other
+    (row, head)s reuse their valid entries (attention over the stored pages,
+    which differ from a reselect's somewhere). The workspace is NaN before
+    the call, so a row the scoring skipped cannot borrow another call's
+    logits."""
+    hkv, g, d, bs, ps, dtype, force, sms = 2, 2, 64, 16, 4, F32, True, 64
+    specs = [(37, 96, 150), (20, 48, 60), (40, 128, 140), (13, 32, 40)]
+    topk = [3 * ps, 3 * ps, 2 * ps, 4 * ps]  # row 3: n_use 4 + f > the store's 3 + f
+    topr = [d, 16, d // 2, 7]
+    max_select, width = 4, 3 + int(force)
+    c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=3)
+    table, batch = _table(rows), len(specs)
+    gen = torch.Generator().manual_seed(17)
+    nc_t, ts_t = (_ints([s[i] for s in specs]) for i in (0, 1))
+    max_pages = max(paged.view_page_starts(*s, ps, "cpu").numel() for s in specs) + 3
+    slots, scale = _ints([2, 0, 3, 1]), d**-0.5
+    ws = triton_ops.DecodeWorkspace(
+        DEVICE, batch, hkv * g, hkv, d, max_pages, max_select, force, sms=sms
+    )
+
+    def step(cache, q, seqs, store, reuse):
+        args = (table, nc_t, ts_t, _ints(seqs), _ints(topk), _ints(topr), ps, scale)
+        with (
+            mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
+            mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
+        ):
+            out = triton_ops.hsa_decode(
+                q, cache.k, cache.v, cache.kt, *args, max_pages, max_select, force,
+                workspace=ws, selections=store, sel_slot=slots, reuse=_ints([reuse] * batch),
+            )  # fmt: skip
+        assert bool((ws.counters == 0).all()), "a merge counter was left set"
+        return out
+
+    seqs1 = [s + 1 for _, _, s in specs]
+    seqs2 = [s + 2 for _, _, s in specs]
+    for (_, ts, seq), row in zip(specs, rows):
+        assert (seq - ts) // ps == (seq + 1 - ts) // ps  # step 2's token: same page
+        c.fill(row, seq, seq + 2, gen)
+    q1 = _queries_without_channel_ties(batch, hkv, g, d, dtype, topr, gen)
+    q2 = _queries_without_channel_ties(batch, hkv, g, d, dtype, topr, gen)
+    stored1 = torch.full((4, hkv, width), -7, dtype=torch.int32, device=DEVICE)
+    step(c, q1, seqs1, stored1, 0)
+    num_pages = [
+        paged.view_page_starts(nc, ts, sq, ps, "cpu").numel()
+        for (nc, ts, _), sq in zip(specs, seqs2)
+    ]
+    n_use = [min(k // ps + 1, p, max_select + 1) for k, p in zip(topk, num_pages)]
+    corrupt = {(0, 0): (0, num_pages[0]), (0, 1): (n_use[0] - 1, -1), (1, 1): (1, num_pages[1] + 9)}
+    bad = stored1.clone()
+    for (b, h), (i, page) in corrupt.items():
+        bad[slots[b], h, i] = page
+    bad[slots[3]] = torch.arange(width)  # view pages, but fewer than row 3's n_use
+    unread = bad.clone()
+    fresh, want_store = c.clone(), stored1.clone()
+    ws.f32.fill_(float("nan"))
+    ws.i32.fill_(-1)
+    got = step(c, q2, seqs2, bad, 1)
+    want = step(fresh, q2, seqs2, want_store, 0)
+    _same_storage(c, fresh)  # the KT pages updated alike
+    changed = 0
+    for b, (nc, ts, _) in enumerate(specs):
+        entries = stored1[slots[b], :, : n_use[b]].long()
+        over_stored = None
+        if n_use[b] <= width:
+            ok = [entries[h] if (b, h) not in corrupt else entries[h, :0] for h in range(hkv)]
+            over_stored = _sparse_ref(q2[b], c, rows[b], nc, ts, seqs2[b], ok, scale)
+        for h in range(hkv):
+            heads, entry = slice(h * g, (h + 1) * g), (slots[b], h)
+            if (b, h) in corrupt or over_stored is None:  # as without reuse
+                assert torch.equal(got[b, heads], want[b, heads]), (b, h)
+                stores = over_stored is not None  # n_use <= width
+                assert torch.equal(bad[entry], (want_store if stores else unread)[entry]), (b, h)
+            else:
+                _close(got[b, heads], over_stored[heads], dtype, msg=f"reusing {(b, h)}")
+                assert torch.equal(bad[entry], stored1[entry]), (b, h)
+                changed += not torch.equal(stored1[entry], want_store[entry])
+    assert changed, "step 2 would choose step 1's pages anyway: reuse untested"
+
+
 def test_hsa_decode_selection_store_refusals():
     """The store's three arguments go together, and not with the checking
     aids (probs_out, select_impl="torch"): refused before any launch."""

@@ -17,7 +17,10 @@ all of these hold, else it selects afresh and stores its choice:
 - its selection fits the store (a request's own larger budget may not).
 
 A step that is not a one-token decode of the request (a prompt chunk,
-tokens recomputed after a preemption) forgets its slot's history.
+tokens recomputed after a preemption) forgets its slot's history. Each
+Stage 2 implementation still checks the entries it would reuse: one that is
+not a page of the row's view makes that (row, KV head) select anew
+(``Stage2.decode``).
 """
 
 from __future__ import annotations

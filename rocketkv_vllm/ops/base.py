@@ -212,7 +212,11 @@ class Stage2:
         there. n_use is the row's selection size (``pages_selected`` + the
         forced page); the caller (``backend.reuse``) guarantees n_use <= W
         and that a reused entry was written for the same request and view
-        page. The entries' order is the implementation's own."""
+        page. Every implementation checks the part it reads, per (row, KV
+        head): where n_use > W or an entry lies outside [0, the row's view
+        pages), that (row, head) does not reuse but chooses and writes its
+        pages as a row with reuse 0 does (never a raise, never such a page
+        read). The entries' order is the implementation's own."""
         raise NotImplementedError
 
     def _kt(self, kv_cache):

@@ -239,29 +239,42 @@ def reuse_selections(
     selections: torch.Tensor,
     sel_slot: torch.Tensor,
     reuse: torch.Tensor,
+    num_select: torch.Tensor,
+    force_current_page: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_pages``' (top, valid) with reuse rows' pages read from the
-    store [S, Hkv, W] and the other slotted rows' written to it (the valid
-    entries, -1 past them).
+    """``select_pages``' (top, valid) with reusing (row, KV head)s' pages
+    read from the store [S, Hkv, W] and the other slotted ones' written to
+    it (the valid entries, -1 past them). A (row, head) reuses when its
+    row's flag and slot are set and its n_use = min(num_select + f, P)
+    stored entries are all pages of its view [0, P); else it keeps its
+    fresh choice and writes it (``Stage2.decode``'s contract).
 
-    Without a host sync: every row writes, rows without a slot to their own
-    index -1, the store's last slot, which the caller keeps unassigned
-    (``backend.reuse``). The page choice still runs for reuse rows (this
-    path is the oracle, not the fast one)."""
+    Without a host sync: every (row, head) writes, those not writing to
+    their own index -1, the store's last slot, which the caller keeps
+    unassigned (``backend.reuse``). The page choice still runs for reuse
+    rows (this path is the oracle, not the fast one)."""
     batch, num_kv_heads, n = top.shape
     width = selections.shape[-1]
     slot = sel_slot.long()
-    writes = (slot >= 0) & (reuse == 0) & (seq_lens > 0)
     chosen = torch.where(valid, top, -1)[..., :width]
     if width > n:
         chosen = torch.cat([chosen, chosen.new_full((batch, num_kv_heads, width - n), -1)], -1)
     stored = selections[slot].long()  # [B, Hkv, W]
-    selections[torch.where(writes, slot, -1)] = chosen.to(selections.dtype)
     if width < n:
         stored = torch.cat([stored, stored.new_full((batch, num_kv_heads, n - width), -1)], -1)
-    reused = ((reuse != 0) & (slot >= 0))[:, None, None]
-    top = torch.where(reused, stored[..., :n].clamp_min(0), top)
-    valid = torch.where(reused, stored[..., :n] >= 0, valid)
+    stored = stored[..., :n]
+    num_pages = (pages.tokens > 0).sum(-1)[:, None, None]
+    n_use = torch.minimum(num_select.long()[:, None, None] + int(force_current_page), num_pages)
+    in_use = torch.arange(n, device=top.device) < n_use  # [B, 1, n]
+    in_view = (stored >= 0) & (stored < num_pages)
+    fits = n_use[..., 0] <= width  # (entries past W read as -1 above)
+    reused = ((reuse != 0) & (slot >= 0))[:, None] & fits & (in_view | ~in_use).all(-1)
+    writes = (slot >= 0)[:, None] & ~reused & (seq_lens > 0)[:, None]  # [B, Hkv]
+    heads = torch.arange(num_kv_heads, device=top.device)
+    selections[torch.where(writes, slot[:, None], -1), heads] = chosen.to(selections.dtype)
+    reused = reused[..., None]
+    top = torch.where(reused & in_use, stored, torch.where(reused, 0, top))
+    valid = torch.where(reused, in_use, valid)
     return top, valid
 
 
@@ -335,7 +348,9 @@ def hsa_decode(
         query, kt_cache, pages, topr, num_select, max_select, force_current_page
     )
     if selections is not None:
-        top, valid = reuse_selections(top, valid, pages, seq_lens, selections, sel_slot, reuse)
+        top, valid = reuse_selections(
+            top, valid, pages, seq_lens, selections, sel_slot, reuse, num_select, force_current_page
+        )
     out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale, sinks)
     return out.to(query.dtype)
 

@@ -436,9 +436,10 @@ def hsa_decode(
     int32 [S, Hkv, W] contiguous and per row its slot ([B] int32, -1:
     none) and reuse flag ([B] int32): ``Stage2.decode``'s contract (a
     reusing row attends selections[slot, h, :n_use], its KT page still
-    updated; another row with a slot stores its n_use pages there, in
-    ascending page order, where n_use <= W). Not with probs_out or
-    select_impl "torch".
+    updated, unless those entries are not all pages of its view: then that
+    (row, KV head) selects anew; another row with a slot stores its n_use
+    pages there, in ascending page order, where n_use <= W). Not with
+    probs_out or select_impl "torch".
     """
     check_store_args(selections, sel_slot, reuse)
     if selections is not None:
@@ -505,6 +506,9 @@ def hsa_decode(
         k_cache=k_cache if update_kt else None,
         sel_slot=sel_slot,
         reuse=reuse,
+        selections=selections,
+        topk=None if selections is None else topk,
+        force_current_page=force_current_page,
     )
     launch_select(
         plan.score,
