@@ -19,7 +19,6 @@ from vllm.logger import init_logger
 from rocketkv_vllm.config import (
     CONFIG_KEY,
     TEST_AIDS_KEY,
-    RocketKVConfigError,
     RocketKVSettings,
     _normalized,
     settings_for,
@@ -389,12 +388,13 @@ def validate_request(vllm_config, params, resumable: bool) -> None:
     - on vLLM's CPU build, a per-request seed: its model runner rewinds the
       request's torch generator after a partial prefill step, which CPU
       generators cannot do, and the engine dies (vLLM 0.32, every backend);
-    - a per-request budget (``requests``) out of range.
+    - malformed per-request input (``requests``): ``extra_args`` not a
+      dict, an unknown ``rocketkv*`` key, a budget out of range.
     """
     from vllm.exceptions import VLLMValidationError
     from vllm.platforms import current_platform
 
-    from rocketkv_vllm.requests import REQUEST_BUDGET_KEY, params_token_budget
+    from rocketkv_vllm.requests import RocketKVRequestError, params_token_budget
 
     if resumable:
         raise VLLMValidationError(
@@ -405,12 +405,8 @@ def validate_request(vllm_config, params, resumable: bool) -> None:
         )
     try:
         params_token_budget(params)
-    except RocketKVConfigError as e:
-        raise VLLMValidationError(
-            str(e),
-            parameter=f"vllm_xargs.{REQUEST_BUDGET_KEY}",
-            value=params.extra_args[REQUEST_BUDGET_KEY],
-        ) from None
+    except RocketKVRequestError as e:
+        raise VLLMValidationError(str(e), parameter=e.field, value=e.value) from None
     if current_platform.is_cpu() and getattr(params, "seed", None) is not None:
         raise VLLMValidationError(
             "ROCKETKV on vLLM's CPU build does not accept a per-request seed: "

@@ -114,17 +114,19 @@ class PrefixCacheAccount:
 
 
 # The account travels in SchedulerStats.num_kv_fetch_reqs_by_stage, a
-# ``dict[str, int]`` that vLLM builds afresh for every stats object, sends
-# from the engine core to the API server with the rest (msgspec, typed) and
-# reads only by its own stage names (``KV_FETCH_STAGES``). SchedulerStats
-# has no free slot, and an attribute of our own would not survive the
-# serialization. The entries are what each field gained since the
-# scheduler's previous stats (fields that did not move are left out), under
-# this prefix; the stat logger adds them to its counters and takes them out
-# before vLLM's loggers look at the dict. Gains, not running totals: vLLM
-# sends each stats object to one API server only, and with several (``vllm
-# serve -dp N`` starts N) an engine's stats reach them in turn, so only
-# gains add up to the engine's account across the servers' counters.
+# ``dict[str, int]`` that vLLM builds afresh for every stats object and
+# sends from the engine core to the API server with the rest (msgspec,
+# typed). SchedulerStats has no free slot, and an attribute of our own would
+# not survive the serialization. The entries are what each field gained
+# since the scheduler's previous stats (fields that did not move are left
+# out), under this prefix. ROCKETKV's stat logger, the first of the
+# frontend's (``metrics.add_stat_logger``), adds them to its counters and
+# takes them out before any other logger (vLLM's, a user's) sees the dict:
+# vLLM's LoggingStatLogger would print a "KV fetch" line for them. Gains,
+# not running totals: vLLM sends each stats object to one API server only,
+# and with several (``vllm serve -dp N`` starts N) an engine's stats reach
+# them in turn, so only gains add up to the engine's account across the
+# servers' counters.
 ACCOUNT_KEY_PREFIX = "rocketkv:"
 ACCOUNT_FIELDS = tuple(f.name for f in fields(PrefixCacheAccount))
 
@@ -143,14 +145,19 @@ def _warn_once(what: str, error: str) -> None:
     )
 
 
-def attach_account(stats, kv_cache_manager) -> None:
-    """Add to the SchedulerStats the scheduler just made
-    (``Scheduler.make_stats``, ``vllm_patches``) what its account gained
+def attach_account(outputs, kv_cache_manager) -> None:
+    """Add to the SchedulerStats among a step's outputs (``Scheduler.
+    update_from_output``, ``vllm_patches``: the stats that go to the
+    frontend, not those vLLM's crash dump makes) what the account gained
     since the stats before. Never raises: an error is logged once and the
     stats go out without the account (its gains ride in later stats)."""
     try:
         manager = rocketkv_manager(kv_cache_manager)
-        if manager is None or stats is None:
+        if manager is None:
+            return
+        carriers = (o for o in outputs.values() if o.scheduler_stats is not None)
+        stats = next((o.scheduler_stats for o in carriers), None)
+        if stats is None:
             return
         account, sent = manager.prefix_account, manager.account_sent
         entries = {}
@@ -168,8 +175,8 @@ def attach_account(stats, kv_cache_manager) -> None:
 
 
 def take_account(stats) -> dict[str, int]:
-    """Take the account out of a SchedulerStats (the API server's stat
-    logger): the fields it carries and what each gained. Entries that are not
+    """Take the account out of a SchedulerStats (ROCKETKV's stat logger, the
+    first of the frontend's): the fields it carries and what each gained. Entries that are not
     a known field with a non-negative int are dropped, logged once. Never
     raises."""
     try:

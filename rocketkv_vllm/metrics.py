@@ -1,8 +1,13 @@
 """ROCKETKV metrics on the server's Prometheus ``/metrics``, next to ``vllm:*``.
 
-A vLLM stat-logger plugin (entry point group ``vllm.stat_logger_plugins``),
-loaded by ``AsyncLLM``, i.e. by the OpenAI server, in its API-server process.
-It does nothing unless the engine's attention backend is ROCKETKV.
+A stat logger that ``add_stat_logger`` puts first among the loggers of a
+ROCKETKV engine whose stats are on (``vllm_patches``: ``AsyncLLM``, i.e. the
+OpenAI server's API-server process, and the offline ``LLM``'s engine with
+``disable_log_stats=False``). Any other engine gets nothing: no logger, no
+per-output work, ``--disable-log-stats`` as vLLM reads it. The metrics are
+exported where the ``rocketkv_metrics`` general plugin is loaded
+(``plugin.register_metrics``; on by default); without it the logger only
+takes the scheduler's account out of the stats.
 
 Every ROCKETKV decision about a request is a pure function of the engine's
 settings, the request's prompt length and the budget the request may set
@@ -200,6 +205,21 @@ def record_output(req_state, engine_core_output, iteration_stats, was_prefilling
     )
 
 
+def add_stat_logger(vllm_config, logger_manager) -> bool:
+    """Put ROCKETKV's stat logger first in a ROCKETKV engine's vLLM
+    ``StatLoggerManager``, which calls its loggers in list order: it takes
+    the scheduler's account out of the stats before vLLM's loggers and a
+    user's see them. Returns whether it exports (the output processor then
+    records what it counts)."""
+    from rocketkv_vllm.plugin import metrics_wanted
+
+    export = metrics_wanted()
+    stat_logger = RocketKVStatLogger(vllm_config, logger_manager.engine_indexes, export)
+    logger_manager.stat_loggers.insert(0, stat_logger)
+    stat_logger.log_engine_initialized()  # vLLM has logged the others'
+    return export
+
+
 def unregister_rocketkv_metrics(registry=REGISTRY) -> None:
     for collector in list(registry._collector_to_names):
         if getattr(collector, "_name", "").startswith(METRIC_PREFIX):
@@ -207,11 +227,13 @@ def unregister_rocketkv_metrics(registry=REGISTRY) -> None:
 
 
 class RocketKVStatLogger(AggregateStatLoggerBase):
-    """Prometheus metrics for ROCKETKV engines; inert for any other engine."""
+    """Prometheus metrics for ROCKETKV engines (``export``); inert for any
+    other engine. Takes the account out of the stats either way."""
 
-    def __init__(self, vllm_config, engine_indexes: list[int] | None = None):
+    def __init__(self, vllm_config, engine_indexes: list[int] | None = None, export=True):
         self.engine_indexes = list(engine_indexes or [0])
-        self.enabled = is_rocketkv_engine(vllm_config)
+        self.export = export
+        self.enabled = export and is_rocketkv_engine(vllm_config)
         if not self.enabled:
             return
         self.settings = settings_for(vllm_config)
@@ -295,14 +317,13 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
             info_gauge.labels(*labels[i], *(str(info[k]) for k in sorted(info))).set(1)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        # Taken out whatever follows: the loggers next in line (vLLM's, a
+        # user's) must not see the entries.
+        account = {} if scheduler_stats is None else take_account(scheduler_stats)
         if not self.enabled:
             return
-        if scheduler_stats is not None:
-            # Taken out even for an unknown engine: vLLM's loggers, next in
-            # line, must not see the entries.
-            account = take_account(scheduler_stats)
-            if engine_idx in self.prompts_compressed:
-                self._record_account(engine_idx, account)
+        if account and engine_idx in self.prompts_compressed:
+            self._record_account(engine_idx, account)
         if iteration_stats is None:
             return
         outputs = iteration_stats.__dict__.get(_OUTPUTS_ATTR)
@@ -357,3 +378,5 @@ class RocketKVStatLogger(AggregateStatLoggerBase):
                 "ROCKETKV metrics: rocketkv:* counters on /metrics (engines %s).",
                 self.engine_indexes,
             )
+        elif not self.export:
+            logger.info("ROCKETKV metrics off (the rocketkv_metrics plugin is not loaded).")

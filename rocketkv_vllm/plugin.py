@@ -1,4 +1,6 @@
-"""vLLM general plugin: makes ``--attention-backend ROCKETKV`` work.
+"""vLLM general plugins: ``rocketkv`` makes ``--attention-backend ROCKETKV``
+work (``register``), ``rocketkv_metrics`` turns on its metrics
+(``register_metrics``); ``VLLM_PLUGINS`` picks either by name.
 
 Loaded by vLLM in every process (API server, engine core, workers) through
 the ``vllm.general_plugins`` entry point; every step is idempotent.
@@ -30,7 +32,14 @@ from rocketkv_vllm.engine import BACKEND_NAME, BACKEND_PATH, is_rocketkv
 
 logger = init_logger(f"vllm.{__name__}")
 
-__all__ = ["BACKEND_NAME", "BACKEND_PATH", "is_rocketkv", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "BACKEND_PATH",
+    "is_rocketkv",
+    "metrics_wanted",
+    "register",
+    "register_metrics",
+]
 
 
 def _register_backend() -> None:
@@ -83,6 +92,23 @@ _STEPS = (
     (_register_kv_cache_spec, "register ROCKETKV's KV cache spec"),
     (_register_connector, "register the host-tier connector"),
 )
+
+
+_metrics_wanted = False
+
+
+def register_metrics() -> None:
+    """vLLM general plugin ``rocketkv_metrics``: ROCKETKV engines export the
+    ``rocketkv:*`` metrics (``metrics``). Leaving it out of ``VLLM_PLUGINS``
+    (``VLLM_PLUGINS=rocketkv``) serves ROCKETKV without them. A general
+    plugin, not a ``vllm.stat_logger_plugins`` one: vLLM adds those to every
+    ``AsyncLLM`` and turns its stats on, whatever the backend."""
+    global _metrics_wanted
+    _metrics_wanted = True
+
+
+def metrics_wanted() -> bool:
+    return _metrics_wanted
 
 
 def register() -> None:

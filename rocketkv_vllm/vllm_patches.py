@@ -110,9 +110,32 @@ def _process_inputs(original):
     return process_inputs
 
 
+# Set on the output processor of a ROCKETKV engine whose metrics are on
+# (``_frontend_init``): only there do the two output wrappers do any work.
+_RECORDING = "_rocketkv_recording"
+
+
+def _frontend_init(original):
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        from rocketkv_vllm.engine import is_rocketkv_engine
+
+        if self.logger_manager is None or not is_rocketkv_engine(vllm_config):
+            return  # stats off, or another backend: vLLM's engine, untouched
+        from rocketkv_vllm.metrics import add_stat_logger
+
+        recording = add_stat_logger(vllm_config, self.logger_manager)
+        setattr(self.output_processor, _RECORDING, recording)
+
+    return __init__
+
+
 def _output_add_request(original):
     def add_request(self, request, *args, **kwargs):
         original(self, request, *args, **kwargs)
+        if not getattr(self, _RECORDING, False):
+            return
         from rocketkv_vllm.metrics import remember_request
 
         remember_request(self.request_states.get(request.request_id), request)
@@ -124,6 +147,10 @@ def _update_stats_from_output(original):
     def _update_stats_from_output(
         self, req_state, engine_core_output, engine_core_timestamp, iteration_stats
     ):
+        if not getattr(self, _RECORDING, False):
+            return original(
+                self, req_state, engine_core_output, engine_core_timestamp, iteration_stats
+            )
         was_prefilling = req_state.is_prefilling
         original(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats)
         from rocketkv_vllm.metrics import record_output
@@ -201,15 +228,17 @@ def _coordinator_cache_blocks(original):
     return cache_blocks
 
 
-def _make_stats(original):
-    def make_stats(self, *args, **kwargs):
-        stats = original(self, *args, **kwargs)
+def _update_from_output(original):
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = original(self, scheduler_output, model_runner_output)
         from rocketkv_vllm.kv_cache import attach_account
 
-        attach_account(stats, self.kv_cache_manager)  # never raises
-        return stats
+        # Here, not in make_stats: these stats go to the frontend, while
+        # vLLM's crash dump also calls make_stats and would take the gains.
+        attach_account(outputs, self.kv_cache_manager)  # never raises
+        return outputs
 
-    return make_stats
+    return update_from_output
 
 
 def _v1_update_states(original):
@@ -401,13 +430,31 @@ PATCHES: tuple[Patch, ...] = (
         "refuse per request what ROCKETKV cannot serve (engine.validate_request)",
         exact=False,
     ),
+    *(
+        Patch(
+            module,
+            owner,
+            "__init__",
+            ("self", "vllm_config", "executor_class", "log_stats"),
+            _frontend_init,
+            "a ROCKETKV engine with stats on: ROCKETKV's stat logger first among its "
+            "loggers (it takes the scheduler's account out of the stats before any "
+            "other sees them), and its output processor records for it (metrics)",
+            exact=False,
+        )
+        for module, owner in (
+            ("vllm.v1.engine.async_llm", "AsyncLLM"),
+            ("vllm.v1.engine.llm_engine", "LLMEngine"),
+        )
+    ),
     Patch(
         "vllm.v1.engine.output_processor",
         "OutputProcessor",
         "add_request",
         ("self", "request"),
         _output_add_request,
-        "remember each request's own budget for the metrics",
+        "remember each request's own budget for the metrics (ROCKETKV engines "
+        "whose metrics are on)",
         exact=False,
     ),
     Patch(
@@ -416,7 +463,8 @@ PATCHES: tuple[Patch, ...] = (
         "_update_stats_from_output",
         ("self", "req_state", "engine_core_output", "engine_core_timestamp", "iteration_stats"),
         _update_stats_from_output,
-        "one fact per request output for the rocketkv:* metrics (metrics)",
+        "one fact per request output for the rocketkv:* metrics (ROCKETKV engines "
+        "whose metrics are on; metrics)",
     ),
     Patch(
         "vllm.v1.core.kv_cache_manager",
@@ -449,12 +497,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.v1.core.sched.scheduler",
         "Scheduler",
-        "make_stats",
-        ("self",),
-        _make_stats,
-        "carry the scheduler's prefix-cache account inside vLLM's own scheduler "
-        "stats to the API server's rocketkv:* metrics (kv_cache, metrics)",
-        exact=False,
+        "update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+        _update_from_output,
+        "carry the scheduler's prefix-cache account inside the scheduler stats "
+        "of its step's outputs to the frontend's rocketkv:* metrics (kv_cache, "
+        "metrics)",
     ),
     Patch(
         "vllm.v1.worker.gpu_worker",
@@ -668,6 +716,40 @@ RELIED_ON: tuple[Relied, ...] = (
         "attr",
         "the scheduler's prefix-cache account travels in this dict (rocketkv:* keys)",
         "rocketkv_vllm.kv_cache.attach_account",
+    ),
+    Relied(
+        "vllm.v1.engine",
+        "EngineCoreOutputs",
+        "scheduler_stats",
+        "attr",
+        "the step's scheduler stats, among its outputs",
+        "rocketkv_vllm.kv_cache.attach_account",
+    ),
+    # -- ROCKETKV's stat logger, first in a ROCKETKV engine's (metrics) --
+    *(
+        Relied(module, owner, name, "attr", why, "rocketkv_vllm.vllm_patches._frontend_init")
+        for module, owner in (
+            ("vllm.v1.engine.async_llm", "AsyncLLM"),
+            ("vllm.v1.engine.llm_engine", "LLMEngine"),
+        )
+        for name, why in (
+            ("logger_manager", "the engine's stat loggers (None: stats off)"),
+            ("output_processor", "marked to record the facts ROCKETKV's logger counts"),
+        )
+    ),
+    *(
+        Relied(
+            "vllm.v1.metrics.loggers",
+            "StatLoggerManager",
+            name,
+            "attr",
+            why,
+            "rocketkv_vllm.metrics.add_stat_logger",
+        )
+        for name, why in (
+            ("stat_loggers", "called in list order: ROCKETKV's goes first"),
+            ("engine_indexes", "the engines ROCKETKV's logger counts"),
+        )
     ),
     # -- hybrid models: the other groups hash the dense prefix only --
     Relied(
@@ -1148,11 +1230,18 @@ RELIED_ON: tuple[Relied, ...] = (
         "keep a step off FULL CUDA graphs",
         "rocketkv_vllm.vllm_patches._v2_gather_batch_req_state",
     ),
-    # -- metrics (metrics) --
+    # -- metrics (metrics): vLLM calls these; ROCKETKV builds the logger --
+    Relied(
+        "vllm.v1.engine.output_processor",
+        "OutputProcessor",
+        "request_states",
+        "attr",
+        "the frontend's state of a request just added",
+        "rocketkv_vllm.vllm_patches._output_add_request",
+    ),
     *(
         _override("vllm.v1.metrics.loggers", "AggregateStatLoggerBase", name, params, _STATS)
         for name, params in (
-            ("__init__", ("self", "vllm_config", "engine_indexes")),
             (
                 "record",
                 ("self", "scheduler_stats", "iteration_stats", "mm_cache_stats", "engine_idx"),

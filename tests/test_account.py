@@ -2,11 +2,13 @@
 inside vLLM's own SchedulerStats (issue 36, findings 2-4).
 
 Each engine core's scheduler adds its account to the stats vLLM's
-``Scheduler.make_stats`` builds (``vllm_patches``, ``kv_cache.attach_account``);
-vLLM sends them to the API server (msgspec); the stat logger takes the account
-out (``kv_cache.take_account``) under vLLM's ``engine_idx``. Here the real
-make_stats (wrapped) runs on a stand-in scheduler around a real ROCKETKV block
-manager, and its stats go through vLLM's engine-core encoder and decoder.
+``Scheduler.make_stats`` builds for a step's outputs (the
+``Scheduler.update_from_output`` wrapper, ``vllm_patches``,
+``kv_cache.attach_account``); vLLM sends them to the API server (msgspec);
+the stat logger takes the account out (``kv_cache.take_account``) under
+vLLM's ``engine_idx``. Here the real make_stats runs on a stand-in scheduler
+around a real ROCKETKV block manager, the wrapper adds the account, and the
+stats go through vLLM's engine-core encoder and decoder.
 Nothing touches a file: the engine writes and the server reads no folder that
 another user could own, link or fill with a FIFO or bad JSON.
 """
@@ -78,12 +80,22 @@ def _scheduler(manager, dp_index=0):
 
 
 def _make_stats(scheduler):
+    """The stats one step's outputs carry: vLLM's make_stats puts them on
+    the first outputs, ROCKETKV's update_from_output wrapper adds the
+    account."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
 
     from rocketkv_vllm.plugin import register
+    from rocketkv_vllm.vllm_patches import _update_from_output
 
-    register()  # Scheduler.make_stats wrapped (vllm_patches)
-    return Scheduler.make_stats(scheduler)
+    register()
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        return {0: EngineCoreOutputs(scheduler_stats=Scheduler.make_stats(self))}
+
+    outputs = _update_from_output(update_from_output)(scheduler, None, None)
+    return outputs[0].scheduler_stats
 
 
 def _to_api_server(stats, engine_index):
@@ -182,6 +194,23 @@ def test_the_account_rides_in_vllms_scheduler_stats(logged, shared_tmp):
     stat_logger.record(*_to_api_server(_make_stats(scheduler), 0)[:1], None, engine_idx=0)
     assert _sample("rocketkv:prefix_tokens_recomputed_total") == account["tokens_recomputed"] + 7
     assert list(shared_tmp.iterdir()) == [] and logged == []
+
+
+def test_vllms_crash_dump_neither_sees_nor_takes_the_account(logged, shared_tmp):
+    """Issue 57, finding 4: vLLM's crash dump (``dump_engine_exception``)
+    calls ``Scheduler.make_stats`` itself. Its stats carry nothing of the
+    account and take none of it: the next step's outputs carry it all."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from rocketkv_vllm.plugin import register
+
+    register()
+    scheduler = _scheduler(_manager(tokens_recomputed=32))
+    dumped = Scheduler.make_stats(scheduler)
+    assert dumped.num_kv_fetch_reqs_by_stage == scheduler._kv_fetch_counts
+    sent = _make_stats(scheduler).num_kv_fetch_reqs_by_stage
+    assert sent == {**scheduler._kv_fetch_counts, "rocketkv:tokens_recomputed": 32}
+    assert logged == []
 
 
 def test_api_servers_that_get_an_engines_stats_in_turn_add_up_to_its_account(logged, shared_tmp):

@@ -212,6 +212,43 @@ def test_bad_request_budget_names_the_field_and_range(value):
     assert planned_budget(SimpleNamespace(extra_args=args)) is None
 
 
+@pytest.mark.parametrize("extra_args", [5, "rocketkv_token_budget", ["rocketkv_token_budget"]])
+def test_extra_args_not_a_dict_is_refused_naming_the_field(extra_args):
+    """Issue 57, finding 5: a request that skipped the server's schema
+    (offline, or an EngineCoreRequest handed in directly) gets the
+    validation error, not a TypeError; in the scheduler and the workers it
+    plans with the engine's settings and never raises."""
+    from types import SimpleNamespace
+
+    from rocketkv_vllm.requests import RocketKVRequestError, planned_budget, request_token_budget
+
+    with pytest.raises(RocketKVRequestError) as err:
+        request_token_budget(extra_args)
+    assert err.value.field == "vllm_xargs" and "vllm_xargs" in str(err.value)
+    assert isinstance(err.value, RocketKVConfigError)  # a ValueError: a 400
+    assert planned_budget(SimpleNamespace(extra_args=extra_args)) is None
+
+
+@pytest.mark.parametrize("key", ["rocketkv_tokens_budget", "RocketKV_token_budget", "rocketkv"])
+def test_an_unknown_rocketkv_key_is_refused_naming_the_known_ones(key):
+    """Issue 57, finding 5: a misspelled key was ignored (the request ran
+    at the engine's budget). Only keys starting with ``rocketkv`` are
+    ours: other plugins' keys are left alone."""
+    from types import SimpleNamespace
+
+    from rocketkv_vllm.requests import RocketKVRequestError, planned_budget, request_token_budget
+
+    args = {key: 512, "rocketkv_token_budget": 1024}
+    with pytest.raises(RocketKVRequestError) as err:
+        request_token_budget(args)
+    assert err.value.field == f"vllm_xargs.{key}"
+    assert f"vllm_xargs.{key} is not a ROCKETKV request argument" in str(err.value)
+    assert "known: rocketkv_token_budget" in str(err.value)
+    assert planned_budget(SimpleNamespace(extra_args=args)) is None
+    others = {"kv_transfer_params": {"x": 1}, "my_plugin_rocketkv": 3, 7: "seven"}
+    assert request_token_budget({**others, "rocketkv_token_budget": 1024}) == 1024
+
+
 def test_request_budget_plans_like_an_engine_with_that_budget():
     from rocketkv_vllm.requests import request_token_budget
 

@@ -222,6 +222,31 @@ def _asks(docs):
     }
 
 
+def _spy_on_vllms_loggers(llm) -> list[dict]:
+    """The scheduler stats' KV-fetch dicts as the offline engine's vLLM
+    loggers get them (its LoggingStatLogger prints a "KV fetch" line for any
+    entry there), wherever ROCKETKV's logger stands among them."""
+    seen = []
+    for stat_logger in llm.llm_engine.logger_manager.stat_loggers:
+        if not type(stat_logger).__module__.startswith("vllm."):
+            continue
+
+        def record(scheduler_stats, *args, _record=stat_logger.record, **kwargs):
+            if scheduler_stats is not None:
+                seen.append(dict(scheduler_stats.num_kv_fetch_reqs_by_stage))
+            return _record(scheduler_stats, *args, **kwargs)
+
+        stat_logger.record = record
+    return seen
+
+
+def _exported(name: str) -> float | None:
+    """This process's Prometheus sample ``name`` (the offline engine's)."""
+    from prometheus_client import REGISTRY
+
+    return next((s.value for m in REGISTRY.collect() for s in m.samples if s.name == name), None)
+
+
 def _rocketkv_run(model_path, host: bool) -> dict:
     """Four compressed documents through a device pool that holds one dense
     prefill, then two later requests on the first two documents.
@@ -246,6 +271,7 @@ def _rocketkv_run(model_path, host: bool) -> dict:
         **kw,
     )
     try:
+        vllm_loggers_saw = _spy_on_vllms_loggers(llm)
         sched = scheduler(llm)
         pool = sched.kv_cache_manager.block_pool
         free_at_start = pool.get_num_free_blocks()
@@ -271,6 +297,8 @@ def _rocketkv_run(model_path, host: bool) -> dict:
             "host_in_use": None if host_pool is None else sum(b.ref_cnt for b in host_pool.blocks),
             "pages": host_pages(llm, docs) if host else None,
             "account": asdict(rocketkv_manager(sched.kv_cache_manager).prefix_account),
+            "vllm_loggers_saw": vllm_loggers_saw,
+            "exported_host_blocks_stored": _exported("rocketkv:host_blocks_stored_total"),
         }
     finally:
         shutdown(llm)
@@ -349,6 +377,19 @@ def test_rocketkv_host_tier_account(rocketkv_runs):
     block_bytes = account["host_bytes_stored"] // account["host_blocks_stored"]
     assert block_bytes * 4 == BYTES_PER_TOKEN * BLOCK * 5  # K/V plus KT pages (1.25x)
     assert account["host_bytes_loaded"] == account["host_blocks_loaded"] * block_bytes
+
+
+@pytest.mark.engine
+def test_the_account_reaches_rocketkvs_logger_only(rocketkv_runs):
+    """Issue 57, finding 4: the offline LLM with stats on (as the project's
+    benchmarks run). The account rides in vLLM's scheduler stats; ROCKETKV's
+    logger, first in line, takes it out: vLLM's loggers get none of it (no
+    "KV fetch" line), the rocketkv:* counter gets all of it."""
+    run = rocketkv_runs["host"]
+    saw = run["vllm_loggers_saw"]
+    assert saw and run["account"]["host_blocks_stored"] > 0
+    assert [d for d in saw if any(str(k).startswith("rocketkv") for k in d)] == []
+    assert run["exported_host_blocks_stored"] == run["account"]["host_blocks_stored"]
 
 
 @pytest.mark.engine

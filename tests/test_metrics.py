@@ -7,6 +7,7 @@ the server reports.
 """
 
 import ast
+import gc
 import math
 import time
 from types import SimpleNamespace
@@ -49,12 +50,85 @@ def _attended(plan, seq_len, page, force_current_page=True):
     return min(pages * page, plan.num_compact + seq_len - plan.tail_start)
 
 
-def test_stat_logger_is_an_entry_point_plugin():
+def test_backend_and_metrics_are_two_plugins_and_no_stat_logger_plugin():
+    """Issue 57, finding 3: ``VLLM_PLUGINS=rocketkv`` keeps the backend and
+    drops the metrics; no ``vllm.stat_logger_plugins`` entry, which vLLM
+    adds to every AsyncLLM (turning its stats on), dense ones included."""
+    from importlib.metadata import entry_points
+
     from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
 
-    from rocketkv_vllm.metrics import RocketKVStatLogger
+    general = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert general["rocketkv"] == "rocketkv_vllm.plugin:register"
+    assert general["rocketkv_metrics"] == "rocketkv_vllm.plugin:register_metrics"
+    ours = [e for e in entry_points(group="vllm.stat_logger_plugins") if "rocketkv" in e.value]
+    assert ours == [] and load_stat_logger_plugin_factories() == []
 
-    assert RocketKVStatLogger in load_stat_logger_plugin_factories()
+
+def _async_llm(config, monkeypatch, **kw):
+    """vLLM's AsyncLLM for a real engine config, built as ``vllm serve``
+    builds it (``from_vllm_config``, ``disable_log_stats`` from the flag),
+    its engine-core client a stand-in: no engine starts."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    client = SimpleNamespace(engine_ranks_managed=[0], shutdown=lambda *a, **k: None)
+    monkeypatch.setattr(EngineCoreClient, "make_async_mp_client", lambda *a, **k: client)
+    return AsyncLLM.from_vllm_config(config, **kw)
+
+
+def _one_output(engine) -> None:
+    """One request through the frontend's output processor: added, then
+    one output with its iteration stats."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.metrics.stats import IterationStats
+
+    request = engine.input_processor.process_inputs(
+        "r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), ("generate",)
+    )
+    engine.input_processor.assign_request_id(request)
+    engine.output_processor.add_request(request, None)
+    output = EngineCoreOutput(request_id=request.request_id, new_token_ids=[5])
+    engine.output_processor.process_outputs([output], time.monotonic(), IterationStats())
+
+
+def test_a_dense_engine_is_vllms_own(model_path, monkeypatch):
+    """Issue 57, finding 3: installed, the package changes nothing for an
+    engine with another backend: ``--disable-log-stats`` turns its stats off,
+    no logger is added and its output processor does no ROCKETKV work per
+    output. A ROCKETKV engine beside it: ROCKETKV's logger first, its
+    outputs recorded (and ``--disable-log-stats`` honoured as well)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rocketkv_vllm import metrics
+
+    calls = []
+    monkeypatch.setattr(metrics, "remember_request", lambda *a: calls.append("request"))
+    monkeypatch.setattr(metrics, "record_output", lambda *a: calls.append("output"))
+    args = dict(model=model_path, dtype="float32", max_model_len=4096, enforce_eager=True)
+    configs = {
+        backend: EngineArgs(attention_backend=backend, **args).create_engine_config()
+        for backend in ("CPU_ATTN", "ROCKETKV")
+    }
+    for backend, config in configs.items():
+        off = _async_llm(config, monkeypatch, disable_log_stats=True)
+        assert not off.log_stats and off.logger_manager is None, backend
+        off.shutdown()
+    dense = _async_llm(configs["CPU_ATTN"], monkeypatch)
+    kinds = [type(x).__name__ for x in dense.logger_manager.stat_loggers]
+    assert "RocketKVStatLogger" not in kinds, kinds
+    _one_output(dense)
+    dense.shutdown()
+    assert calls == []
+    rocketkv = _async_llm(configs["ROCKETKV"], monkeypatch)
+    assert isinstance(rocketkv.logger_manager.stat_loggers[0], metrics.RocketKVStatLogger)
+    _one_output(rocketkv)
+    rocketkv.shutdown()
+    assert calls == ["request", "output"]
+    del off, dense, rocketkv
+    gc.collect()  # their __del__ now, not at interpreter exit
+    metrics.unregister_rocketkv_metrics()
 
 
 def test_stat_logger_is_inert_for_other_backends():
@@ -325,6 +399,62 @@ def test_server_logs_each_compressed_prompt(metrics_server):
     assert "Avg prompt throughput" in log and "KV fetch" not in log
 
 
+@pytest.mark.engine
+def test_a_users_stat_logger_sees_nothing_of_the_account(model_path):
+    """Issue 57, finding 4: a stat logger a user hands to AsyncLLM comes
+    before vLLM's own in line; ROCKETKV's goes first of all and takes the
+    scheduler's account out, so the user's sees none of it while the
+    rocketkv:* counter gets it (the same prompt twice: its window is
+    recomputed from the prefix cache)."""
+    import asyncio
+
+    from conftest import ENGINE_KW
+    from prometheus_client import REGISTRY
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    seen = []
+
+    class UserLogger(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index=0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                seen.append(dict(scheduler_stats.num_kv_fetch_reqs_by_stage))
+
+        def log_engine_initialized(self):
+            pass
+
+    def exported():
+        name = "rocketkv:prefix_tokens_recomputed_total"
+        return next(s.value for m in REGISTRY.collect() for s in m.samples if s.name == name)
+
+    async def run():
+        args = AsyncEngineArgs(
+            model=model_path,
+            attention_backend="ROCKETKV",
+            additional_config={"rocketkv": ROCKETKV},
+            **ENGINE_KW,
+        )
+        engine = AsyncLLM.from_engine_args(args, stat_loggers=[UserLogger])
+        try:
+            prompt = {"prompt_token_ids": [(7 * i) % 5000 + 100 for i in range(600)]}
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            for i in range(2):
+                async for _ in engine.generate(prompt, params, request_id=f"r{i}"):
+                    pass
+            return exported()
+        finally:
+            engine.shutdown()
+
+    recomputed = asyncio.run(run())
+    assert recomputed > 0 and seen
+    assert [d for d in seen if any(str(k).startswith("rocketkv") for k in d)] == []
+
+
 def _scheduler_account():
     """What ROCKETKV's block manager keeps of its account: the account, and
     what the scheduler's stats have carried of it."""
@@ -335,6 +465,7 @@ def _scheduler_account():
 
 def _stats_carrying(manager):
     """SchedulerStats as the scheduler makes them, with its account's gains."""
+    from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.metrics.stats import SchedulerStats
 
     from rocketkv_vllm.kv_cache import attach_account
@@ -342,7 +473,7 @@ def _stats_carrying(manager):
     stats = SchedulerStats()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("rocketkv_vllm.kv_cache.rocketkv_manager", lambda kv_cache_manager: manager)
-        attach_account(stats, None)
+        attach_account({0: EngineCoreOutputs(scheduler_stats=stats)}, None)
     return stats
 
 

@@ -118,6 +118,17 @@ def test_requests_rocketkv_cannot_serve_are_refused_per_request(model_path):
     with pytest.raises(VLLMValidationError) as err:
         processor.process_inputs("t", prompt, SamplingParams(seed=7), supported_tasks=("generate",))
     assert "ROCKETKV" in str(err.value) and "seed" in str(err.value)
+    # Malformed per-request input (issue 57, finding 5): the error names the field.
+    for extra_args, field, says in (
+        (5, "vllm_xargs", "must be an object"),
+        ({"rocketkv_tokens_budget": 512}, "vllm_xargs.rocketkv_tokens_budget", "known: "),
+        ({"rocketkv_token_budget": 8}, "vllm_xargs.rocketkv_token_budget", "allowed 0"),
+    ):
+        with pytest.raises(VLLMValidationError) as err:
+            processor.process_inputs(
+                "x", prompt, SamplingParams(extra_args=extra_args), supported_tasks=("generate",)
+            )
+        assert err.value.parameter == field and says in str(err.value), err.value
     request = processor.process_inputs(
         request_id="r", prompt=prompt, params=SamplingParams(), supported_tasks=("generate",)
     )

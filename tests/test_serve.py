@@ -357,6 +357,23 @@ def test_per_request_budget_in_vllm_xargs(server, long_prompt):
     assert server.proc.poll() is None
 
 
+def test_a_misspelled_rocketkv_key_is_a_400_naming_the_known_ones(server):
+    """Issue 57, finding 5: a misspelled ``vllm_xargs`` key was ignored (the
+    request ran at the engine's budget). Now a 400 naming it and the known
+    keys; other keys are not ROCKETKV's; the engine serves on."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        _complete(
+            server, "Hello", max_tokens=2, extra_body={"vllm_xargs": {"rocketkv_tokens_budget": 64}}
+        )
+    assert err.value.status_code == 400
+    assert "rocketkv_tokens_budget" in str(err.value)
+    assert "known: rocketkv_token_budget" in str(err.value)
+    out = _complete(server, "Hello", max_tokens=2, extra_body={"vllm_xargs": {"other_plugin": 1}})
+    assert out.choices[0].finish_reason == "length"
+
+
 def test_beam_search_one_token_and_structured_requests(server, long_prompt):
     """Over HTTP, with the engine core and worker in their own processes: a
     max_tokens=1 request and a beam search (each step max_tokens=1 requests)
