@@ -416,3 +416,17 @@ def validate_request(vllm_config, params, resumable: bool) -> None:
             parameter="seed",
             value=params.seed,
         )
+
+
+# Whether the rocketkv_metrics general plugin was loaded in this process
+# (plugin.register_metrics): ROCKETKV engines then export rocketkv:*.
+_metrics_wanted = False
+
+
+def want_metrics() -> None:
+    global _metrics_wanted
+    _metrics_wanted = True
+
+
+def metrics_wanted() -> bool:
+    return _metrics_wanted

@@ -64,7 +64,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from rocketkv_vllm.config import RocketKVSettings, settings_for
-from rocketkv_vllm.engine import is_rocketkv_engine
+from rocketkv_vllm.engine import is_rocketkv_engine, metrics_wanted
 from rocketkv_vllm.host_tier import has_host_tier
 from rocketkv_vllm.kv_cache import take_account
 from rocketkv_vllm.plan import PlanCache, RequestPlan, view_pages
@@ -211,8 +211,6 @@ def add_stat_logger(vllm_config, logger_manager) -> bool:
     the scheduler's account out of the stats before vLLM's loggers and a
     user's see them. Returns whether it exports (the output processor then
     records what it counts)."""
-    from rocketkv_vllm.plugin import metrics_wanted
-
     export = metrics_wanted()
     stat_logger = RocketKVStatLogger(vllm_config, logger_manager.engine_indexes, export)
     logger_manager.stat_loggers.insert(0, stat_logger)

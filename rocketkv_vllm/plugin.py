@@ -36,7 +36,6 @@ __all__ = [
     "BACKEND_NAME",
     "BACKEND_PATH",
     "is_rocketkv",
-    "metrics_wanted",
     "register",
     "register_metrics",
 ]
@@ -94,21 +93,15 @@ _STEPS = (
 )
 
 
-_metrics_wanted = False
-
-
 def register_metrics() -> None:
     """vLLM general plugin ``rocketkv_metrics``: ROCKETKV engines export the
     ``rocketkv:*`` metrics (``metrics``). Leaving it out of ``VLLM_PLUGINS``
     (``VLLM_PLUGINS=rocketkv``) serves ROCKETKV without them. A general
     plugin, not a ``vllm.stat_logger_plugins`` one: vLLM adds those to every
     ``AsyncLLM`` and turns its stats on, whatever the backend."""
-    global _metrics_wanted
-    _metrics_wanted = True
+    from rocketkv_vllm.engine import want_metrics
 
-
-def metrics_wanted() -> bool:
-    return _metrics_wanted
+    want_metrics()
 
 
 def register() -> None:

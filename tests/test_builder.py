@@ -401,13 +401,19 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
     runner = V1Runner(ours)
     runner._update_states(
         SimpleNamespace(
-            finished_req_ids=set(), scheduled_new_reqs=[new("z", 64, 700), new("y", None, 20)]
+            finished_req_ids=set(),
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[new("z", 64, 700), new("y", None, 20)],
         )
     )
     v1 = SimpleNamespace(num_reqs=2, req_idx=None)
     assert state.requests.budgets_for_rows(v1) == [None, 64]
     assert lengths.get(v1, 2).tolist() == [20, 700]
-    runner._update_states(SimpleNamespace(finished_req_ids={"z"}, scheduled_new_reqs=[new("x", 0)]))
+    runner._update_states(
+        SimpleNamespace(
+            finished_req_ids={"z"}, preempted_req_ids=None, scheduled_new_reqs=[new("x", 0)]
+        )
+    )
     assert state.requests.budgets_for_rows(v1) == [0, None]
     assert lengths.get(v1, 2).tolist() == [10, 20]
     # A dummy run is marked while it runs, and only then.
