@@ -87,7 +87,7 @@ def _make_stats(scheduler):
     from vllm.v1.engine import EngineCoreOutputs
 
     from rocketkv_vllm.plugin import register
-    from rocketkv_vllm.vllm_patches import _update_from_output
+    from rocketkv_vllm.vllm_patches.scheduler import _update_from_output
 
     register()
 

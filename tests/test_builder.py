@@ -328,6 +328,12 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
 
     from rocketkv_vllm import vllm_patches
     from rocketkv_vllm.state import PromptLengths, worker_state
+    from rocketkv_vllm.vllm_patches.model_runner import (
+        _v1_dummy_run,
+        _v1_update_states,
+        _v2_add_requests,
+        _v2_gather_batch_req_state,
+    )
 
     for name in ("add_requests", "_update_states", "_dummy_run", "gather_batch_req_state"):
         [patch] = [
@@ -375,12 +381,10 @@ def test_model_runner_hooks_record_budgets_per_slot_and_row():
         def _dummy_run(self, num_tokens):
             return state.requests.dummy
 
-    V2Runner.add_requests = vllm_patches._v2_add_requests(V2Runner.add_requests)
-    V1Runner._update_states = vllm_patches._v1_update_states(V1Runner._update_states)
-    V1Runner._dummy_run = vllm_patches._v1_dummy_run(V1Runner._dummy_run)
-    V2Runner.gather_batch_req_state = vllm_patches._v2_gather_batch_req_state(
-        V2Runner.gather_batch_req_state
-    )
+    V2Runner.add_requests = _v2_add_requests(V2Runner.add_requests)
+    V1Runner._update_states = _v1_update_states(V1Runner._update_states)
+    V1Runner._dummy_run = _v1_dummy_run(V1Runner._dummy_run)
+    V2Runner.gather_batch_req_state = _v2_gather_batch_req_state(V2Runner.gather_batch_req_state)
     lengths = PromptLengths(state.requests)
 
     runner = V2Runner(ours)
@@ -570,9 +574,12 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
     from collections import namedtuple
     from types import SimpleNamespace
 
-    from rocketkv_vllm import vllm_patches
     from rocketkv_vllm.backend.graphs import DecodeGraphShape, GraphGuard
     from rocketkv_vllm.state import worker_state
+    from rocketkv_vllm.vllm_patches.model_runner import (
+        _v1_batch_execution,
+        _v2_gather_batch_req_state,
+    )
 
     config = _EngineConfig()
     state = worker_state(config)
@@ -605,12 +612,10 @@ def test_graph_hooks_keep_prompt_chunks_and_large_selections_off_full_graphs():
         def gather_batch_req_state(self, scheduler_output, dummy_run):
             return self.state, 1
 
-    V1Runner._determine_batch_execution_and_padding = vllm_patches._v1_batch_execution(
+    V1Runner._determine_batch_execution_and_padding = _v1_batch_execution(
         V1Runner._determine_batch_execution_and_padding
     )
-    V2Runner.gather_batch_req_state = vllm_patches._v2_gather_batch_req_state(
-        V2Runner.gather_batch_req_state
-    )
+    V2Runner.gather_batch_req_state = _v2_gather_batch_req_state(V2Runner.gather_batch_req_state)
 
     def v1(computed, prompts, max_q=1):
         return V1Runner(computed, prompts)._determine_batch_execution_and_padding(

@@ -299,7 +299,7 @@ def test_a_failing_register_step_refuses_rocketkv_engines_only_naming_it(monkeyp
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from rocketkv_vllm import vllm_patches
+    from rocketkv_vllm.vllm_patches import check
 
     register()
 
@@ -307,10 +307,10 @@ def test_a_failing_register_step_refuses_rocketkv_engines_only_naming_it(monkeyp
         raise KeyError("vLLM changed its spec registry")
 
     monkeypatch.setattr(KVCacheSpecRegistry, "_ensure_registered", classmethod(broken))
-    monkeypatch.setattr(vllm_patches, "_failures", {})
+    monkeypatch.setattr(check, "_failures", {})
     register()  # does not raise
     step = "rocketkv_vllm.plugin.register (register ROCKETKV's KV cache spec)"
-    assert vllm_patches._failures == {step: "KeyError: 'vLLM changed its spec registry'"}
+    assert check._failures == {step: "KeyError: 'vLLM changed its spec registry'"}
     with pytest.raises(RuntimeError, match="vLLM changed its spec registry") as err:
         _engine_config(model_path)
     assert step in str(err.value)
@@ -333,20 +333,20 @@ def test_a_taken_custom_slot_is_recorded_and_rocketkv_is_no_name(monkeypatch):
     treated as ROCKETKV."""
     from vllm.v1.attention.backends import registry
 
-    from rocketkv_vllm import vllm_patches
     from rocketkv_vllm.engine import is_rocketkv
+    from rocketkv_vllm.vllm_patches import check
 
     register()
     custom = registry.AttentionBackendEnum.CUSTOM
     monkeypatch.setitem(registry._ATTN_OVERRIDES, custom, "other_plugin.Backend")
     monkeypatch.delitem(registry.AttentionBackendEnum._member_map_, "ROCKETKV")
-    monkeypatch.setattr(vllm_patches, "_failures", {})
+    monkeypatch.setattr(check, "_failures", {})
     register()  # does not raise
     assert "ROCKETKV" not in registry.AttentionBackendEnum._member_map_
-    [(step, why)] = vllm_patches._failures.items()
+    [(step, why)] = check._failures.items()
     assert "CUSTOM attention backend" in step and "other_plugin.Backend" in why
     with pytest.raises(RuntimeError, match="other_plugin.Backend"):
-        vllm_patches.require()
+        check.require()
     assert not is_rocketkv(custom)
 
 
@@ -357,20 +357,20 @@ def test_without_its_startup_check_rocketkv_is_no_name(monkeypatch):
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from rocketkv_vllm import vllm_patches
+    from rocketkv_vllm.vllm_patches import check
 
     register()
     platform = type(current_platform)
-    original = vllm_patches._function(platform, "check_and_update_config").__wrapped__
+    original = check._function(platform, "check_and_update_config").__wrapped__
 
     def check_and_update_config(cls, vllm_config, new_argument=None):
         return original(cls, vllm_config)
 
     monkeypatch.setattr(platform, "check_and_update_config", classmethod(check_and_update_config))
     monkeypatch.delitem(AttentionBackendEnum._member_map_, "ROCKETKV")
-    monkeypatch.setattr(vllm_patches, "_failures", {})
+    monkeypatch.setattr(check, "_failures", {})
     register()  # does not raise
     assert "ROCKETKV" not in AttentionBackendEnum._member_map_
     target = "vllm.platforms.<platform>.check_and_update_config"
-    assert "new_argument" in vllm_patches._failures[target]
-    assert any("add the name ROCKETKV" in step for step in vllm_patches._failures)
+    assert "new_argument" in check._failures[target]
+    assert any("add the name ROCKETKV" in step for step in check._failures)

@@ -9,6 +9,7 @@ import pytest
 
 from rocketkv_vllm import vllm_patches
 from rocketkv_vllm.plugin import register
+from rocketkv_vllm.vllm_patches import bump_report, check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +18,7 @@ def test_every_patch_target_matches_the_installed_vllm():
     register()
     vllm_patches.require()  # nothing failed to install
     for patch in vllm_patches.PATCHES:
-        original = vllm_patches._function(vllm_patches._owner(patch), patch.name)
+        original = check._function(check._owner(patch), patch.name)
         assert vllm_patches.installed(patch), patch.target
         # The wrapped original has the parameters the wrapper was written for.
         assert vllm_patches.signature_problem(patch, original.__wrapped__) is None, patch.target
@@ -25,9 +26,9 @@ def test_every_patch_target_matches_the_installed_vllm():
 
 def test_install_is_idempotent():
     register()
-    before = [vllm_patches._function(vllm_patches._owner(p), p.name) for p in vllm_patches.PATCHES]
+    before = [check._function(check._owner(p), p.name) for p in vllm_patches.PATCHES]
     register()
-    after = [vllm_patches._function(vllm_patches._owner(p), p.name) for p in vllm_patches.PATCHES]
+    after = [check._function(check._owner(p), p.name) for p in vllm_patches.PATCHES]
     assert before == after  # not wrapped twice
 
 
@@ -45,22 +46,24 @@ def test_a_changed_signature_refuses_rocketkv_engines_naming_target_and_version(
     )
     problem = vllm_patches.signature_problem(patch, Owner.method)
     assert problem == "expected parameters ['self', 'request'], found ['self', 'renamed']"
-    saved = dict(vllm_patches._failures)
+    saved = dict(check._failures)
     try:
-        vllm_patches._failures[patch.target] = problem
+        check._failures[patch.target] = problem
         with pytest.raises(RuntimeError) as err:
             vllm_patches.require()
     finally:
-        vllm_patches._failures.clear()
-        vllm_patches._failures.update(saved)
+        check._failures.clear()
+        check._failures.update(saved)
     assert f"vLLM {vllm.__version__}" in str(err.value)
     assert "tests.Owner.method" in str(err.value) and "renamed" in str(err.value)
 
 
-def test_vllm_is_changed_in_this_module_only():
-    """No other module of the package assigns to vLLM classes or modules."""
+def test_vllm_is_changed_in_this_package_only():
+    """No module of rocketkv_vllm outside vllm_patches/ assigns to vLLM
+    classes or modules."""
     out = subprocess.run(
-        ["git", "grep", "-nE", r"(setattr\(|\b[A-Z]\w*\.\w+ = )", "--", "rocketkv_vllm"],
+        ["git", "grep", "--untracked", "-nE", r"(setattr\(|\b[A-Z]\w*\.\w+ = )"]
+        + ["--", "rocketkv_vllm"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -68,7 +71,7 @@ def test_vllm_is_changed_in_this_module_only():
     hits = [
         line
         for line in out.stdout.splitlines()
-        if not line.startswith("rocketkv_vllm/vllm_patches.py")
+        if not line.startswith("rocketkv_vllm/vllm_patches/")
     ]
     # Attribute writes on our own objects (metrics' per-request budget on
     # vLLM's RequestState instance) are not patches of vLLM's code.
@@ -98,9 +101,9 @@ def test_every_relied_on_entry_holds_on_the_installed_vllm():
             continue
         module, cls = entry.used_by.rsplit(".", 1)
         ours = getattr(importlib.import_module(module), cls)
-        assert issubclass(ours, vllm_patches._resolve(entry.module, entry.owner)), entry.target
+        assert issubclass(ours, check._resolve(entry.module, entry.owner)), entry.target
         assert entry.name in vars(ours), (entry.target, "not overridden by", entry.used_by)
-        params = list(inspect.signature(vllm_patches._callable(ours, entry.name)).parameters)
+        params = list(inspect.signature(check._callable(ours, entry.name)).parameters)
         expected = list(entry.params)
         assert (params == expected) if entry.exact else (params[: len(expected)] == expected), (
             entry.target,
@@ -121,7 +124,7 @@ def test_every_name_our_block_manager_and_host_scheduler_add_or_override_is_list
         [base] = ours.__bases__
         assigned = r"\b(?:self|manager)\.([A-Za-z_]\w*)\s*(?::[^=\n]+)?=(?!=)"
         names = {n for n in vars(ours) if not n.startswith("__")} | set(
-            re.findall(assigned, vllm_patches._methods_source(ours))
+            re.findall(assigned, check._methods_source(ours))
         )
         names = {n for n in names if not n.startswith("__")} - {"_abc_impl"}
         listed = {
@@ -130,7 +133,7 @@ def test_every_name_our_block_manager_and_host_scheduler_add_or_override_is_list
             if e.used_by.endswith(f".{ours.__name__}") and e.owner == base.__name__
         }
         for name in names:
-            kind = "override" if vllm_patches._has_attr(base, name) else "absent"
+            kind = "override" if check._has_attr(base, name) else "absent"
             assert (name, kind) in listed, f"{ours.__name__}.{name}: add a {kind!r} entry"
         stale = {name for name, kind in listed if kind == "absent"} - names
         assert stale == set(), f"{ours.__name__} no longer has {sorted(stale)}"
@@ -140,7 +143,7 @@ def _mutate(monkeypatch, entry) -> None:
     """``entry``'s name renamed in vLLM (``_rename``); for an "absent"
     entry, the name added to vLLM's class."""
     if entry.kind == "absent":
-        owner = vllm_patches._resolve(entry.module, entry.owner)
+        owner = check._resolve(entry.module, entry.owner)
         monkeypatch.setattr(owner, entry.name, "added by vLLM", raising=False)
     else:
         _rename(monkeypatch, entry)
@@ -153,7 +156,7 @@ def _rename(monkeypatch, entry) -> None:
     import re
 
     new = f"{entry.name}_renamed"
-    owner = vllm_patches._resolve(entry.module, entry.owner)
+    owner = check._resolve(entry.module, entry.owner)
     if inspect.ismodule(owner):
         monkeypatch.setattr(owner, new, getattr(owner, entry.name), raising=False)
         monkeypatch.delattr(owner, entry.name)
@@ -168,10 +171,10 @@ def _rename(monkeypatch, entry) -> None:
         if entry.name in annotations:
             monkeypatch.setitem(annotations, new, annotations[entry.name])
             monkeypatch.delitem(annotations, entry.name)
-    source = vllm_patches._methods_source
+    source = check._methods_source
     pattern = re.compile(rf"\bself\.{re.escape(entry.name)}\b")
     monkeypatch.setattr(
-        vllm_patches, "_methods_source", lambda klass: pattern.sub(f"self.{new}", source(klass))
+        check, "_methods_source", lambda klass: pattern.sub(f"self.{new}", source(klass))
     )
 
 
@@ -219,13 +222,13 @@ def test_a_renamed_relied_on_name_refuses_rocketkv_engines_naming_exactly_it(mon
     }
     problems = vllm_patches.relied_problems()
     assert set(problems) == expected, problems
-    monkeypatch.setattr(vllm_patches, "_failures", {})
-    monkeypatch.setattr(vllm_patches, "_relied_checked", False)
+    monkeypatch.setattr(check, "_failures", {})
+    monkeypatch.setattr(check, "_relied_checked", False)
     with pytest.raises(RuntimeError) as err:
         vllm_patches.require()
     assert f"vLLM {vllm.__version__}" in str(err.value)
     assert f"({entry.target}: " in str(err.value)
-    assert set(vllm_patches._failures) == expected
+    assert set(check._failures) == expected
 
 
 def test_a_class_that_no_longer_takes_the_swap_is_refused():
@@ -266,3 +269,112 @@ def test_a_method_replaced_on_the_instance_must_still_be_called_through_it(monke
         SimpleCPUOffloadScheduler, "get_num_new_matched_tokens", get_num_new_matched_tokens
     )
     assert "no longer calls it" in vllm_patches.relied_problem(entry)
+
+
+# -- the version-bump report (scripts/vllm_bump_report.py) ------------------------
+
+
+@pytest.fixture(scope="module")
+def installed_reader():
+    return bump_report.Reader(bump_report.SourceTree(bump_report.installed_tree()))
+
+
+def test_the_bump_report_finds_nothing_to_port_on_the_installed_vllm(capsys):
+    """Read from the installed vLLM's source (not imported), every entry of
+    both tables holds, and every method ROCKETKV wraps or overrides is the
+    one whose fingerprint is recorded (none missing, none stale)."""
+    assert bump_report.main([str(bump_report.installed_tree())]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("nothing to port."), out
+    assert len(bump_report.wrapped_targets()) >= 60
+
+
+def _breaks(entry):
+    """``entry`` as a vLLM that breaks it would need it to be."""
+    from dataclasses import replace
+
+    if entry.kind == "swap":
+        return replace(entry, owner=f"{entry.owner}Renamed")
+    if entry.kind == "absent":
+        return replace(entry, name="__init__")  # a name vLLM's class has
+    if entry.kind == "attr" or entry.params is None:
+        return replace(entry, name=f"{entry.name}_renamed")
+    return replace(entry, params=(*entry.params, "renamed"), exact=True)
+
+
+def test_the_bump_report_finds_each_table_entry_broken(installed_reader):
+    """Each entry of both tables, broken on purpose (a renamed attribute, a
+    parameter more, a name vLLM has, a class gone): the report names it."""
+    from dataclasses import replace
+
+    reader = installed_reader
+    for patch, target in bump_report.patch_targets():
+        assert bump_report.patch_problem(reader, patch, target) is None, target.label
+        broken = replace(patch, params=(*patch.params, "renamed"), exact=True)
+        why = bump_report.patch_problem(reader, broken, target)
+        assert why and why.startswith("expected parameters"), (target.label, why)
+    for entry in vllm_patches.RELIED_ON:
+        if not entry.module.startswith("vllm."):
+            continue
+        assert bump_report.relied_problem(reader, entry) is None, entry.target
+        why = bump_report.relied_problem(reader, _breaks(entry))
+        assert why is not None, (entry.target, entry.kind)
+
+
+def _copy_with(tmp_path, source, edits):
+    """The vLLM tree at ``source`` as links, but for ``edits`` (path -> text)."""
+    import os
+    import shutil
+
+    copy = tmp_path / "vllm"
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(source, copy, ignore=ignore, copy_function=os.symlink)
+    for rel, text in edits.items():
+        (copy / rel).unlink()
+        (copy / rel).write_text(text)
+    return copy
+
+
+def _def(text, cls, name):
+    import ast
+
+    [klass] = [n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == cls]
+    [func] = [n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return func
+
+
+def test_the_bump_report_finds_a_changed_signature_and_a_changed_body(tmp_path):
+    """A vLLM tree whose wrapped KVCacheManager.get_computed_blocks takes a
+    parameter more and whose FullAttentionManager.free (overridden by
+    ROCKETKV's block manager) has a line more: the report names exactly
+    these two, the body with a diff against the installed vLLM's."""
+    installed = bump_report.installed_tree()
+    manager = "v1/core/kv_cache_manager.py"
+    text = (installed / manager).read_text()
+    last = _def(text, "KVCacheManager", "get_computed_blocks").args.args[-1]
+    lines = text.splitlines(keepends=True)
+    line = lines[last.end_lineno - 1]
+    cut = len(line.encode()[: last.end_col_offset].decode())
+    lines[last.end_lineno - 1] = line[:cut] + ", max_cache_hit_length: int = 0" + line[cut:]
+    single = "v1/core/single_type_kv_cache_manager.py"
+    single_text = (installed / single).read_text()
+    free = _def(single_text, "SingleTypeKVCacheManager", "free").body[-1]
+    single_lines = single_text.splitlines(keepends=True)
+    single_lines.insert(free.lineno - 1, " " * free.col_offset + "self.freed_twice = None\n")
+    edits = {manager: "".join(lines), single: "".join(single_lines)}
+    tree = _copy_with(tmp_path, installed, edits)
+
+    result = bump_report.report(tree)
+    prefix = "vllm.v1.core."
+    assert result.problems == [
+        (
+            "PATCHES",
+            f"{prefix}kv_cache_manager.KVCacheManager.get_computed_blocks",
+            "expected parameters ['self', 'request'], "
+            "found ['self', 'request', 'max_cache_hit_length']",
+        )
+    ]
+    [(target, diff)] = result.changed
+    assert target == f"{prefix}single_type_kv_cache_manager.FullAttentionManager.free"
+    assert "+        self.freed_twice = None" in diff.splitlines(), diff
+    assert bump_report.main([str(tree), "--no-diff"]) == 1
