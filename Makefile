@@ -19,9 +19,10 @@ lint: install
 
 # Tests run in PYTEST_WORKERS processes (pytest-xdist), a test file to a
 # worker (module fixtures, engines among them, start once), each worker on one
-# core (tests/conftest.py); 0 runs them in this process.
+# core (tests/conftest.py); 0 runs them in this process. Files go out longest
+# first (conftest.SLOWEST_FIRST), not xdist's default of most tests first.
 PYTEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Everything that starts no vLLM engine (a few minutes).
 test-fast: install

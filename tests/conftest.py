@@ -154,3 +154,33 @@ def pytest_configure(config):
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# The test files that take longest, longest first (`make test --durations`
+# on a 2-core machine). pytest-xdist hands files to its workers in collection
+# order (the Makefile's --no-loadscope-reorder; by default it puts the files
+# with the fewest tests last, and those are the storms and spawned engines),
+# so the two workers end together instead of one running a long file alone.
+SLOWEST_FIRST = (
+    "test_fault_campaign.py",
+    "test_model_runner_v2.py",
+    "test_prefix_caching.py",
+    "test_serve.py",
+    "test_host_tier.py",
+    "test_engine.py",
+    "test_eval.py",
+    "test_metrics.py",
+    "test_gemma3_engine.py",
+    "test_fp8_kv_engine.py",
+    "test_parallel.py",
+    "test_head_sizes.py",
+    "test_load.py",
+    "test_hybrid.py",
+    "test_gpt_oss.py",
+    "test_lora.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
