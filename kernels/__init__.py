@@ -6,7 +6,14 @@ One concern per module, each a kernel or two plus its launcher:
 * ``compact``       -- in-place compaction of kept tokens, KT page builds;
 * ``kt_update``     -- decode-time KT page refresh (optionally fused with
                        the K/V store), batched;
-* ``hsa_score``     -- HSA page probabilities and page selection, batched;
+* ``rows``          -- the decode rows as the kernels read them: view
+                       geometry, selection size, selection-store slot
+                       (shared by the three decode kernels);
+* ``hsa_score``     -- HSA page scoring (logits, softmax partials; KT
+                       update fused), batched, and the plan of the
+                       scoring + selection pair;
+* ``page_select``   -- page probabilities and top-n page selection (radix
+                       search), batched;
 * ``sparse_decode`` -- split-K decode attention over selected pages, batched;
 * ``kt_fp8``        -- jit helpers that encode / decode fp8 KT rows;
 * ``formats``       -- fp8 format codes and KT row sizes, shared with the

@@ -2,7 +2,7 @@
 
 Every query head of decode row b attends (scale given, fp32 softmax) to the
 tokens of the pages its KV head selected: ``sel [B, Hkv, n_sel]`` holds page
-indices of the row's view (as ``hsa_score.select_pages`` returns them; order
+indices of the row's view (as ``page_select.select_pages`` returns them; order
 does not matter); row b uses its first n_use[b] = min(max(topk[b] // ps, 1) +
 extra_pages, P[b], n_sel) entries (extra_pages = 1 for a forced current
 page on top of the top-k pages). Tokens of a page past the end of its region (num_compact
@@ -59,7 +59,7 @@ from rocketkv_vllm.kernels._utils import (
     row_vectors,
     uses_pdl,
 )
-from rocketkv_vllm.kernels.hsa_score import _n_use, _view_pages
+from rocketkv_vllm.kernels.rows import STAGE2_UNSPECIALIZED, selection_size, view_pages
 
 _LOG2E = 1.4426950408889634
 
@@ -247,10 +247,7 @@ def _merge_partials(
     tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# vLLM's block-table width: see ``hsa_score.STAGE2_UNSPECIALIZED``.
-STAGE2_UNSPECIALIZED = ["stride_bt"]
-
-
+# vLLM's block-table width: not specialized (``rows.STAGE2_UNSPECIALIZED``).
 @triton.jit(do_not_specialize=STAGE2_UNSPECIALIZED)
 def _sparse_decode_kernel(
     q_ptr,
@@ -307,8 +304,8 @@ def _sparse_decode_kernel(
     split = tl.program_id(1)
     b = bh // num_kv_heads
     h = bh % num_kv_heads
-    nc, ts, seq, npc, num_pages = _view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
-    n_use = _n_use(topk_ptr, b, num_pages, num_sel, extra, PS)
+    nc, ts, seq, npc, num_pages = view_pages(nc_ptr, ts_ptr, seq_ptr, b, PS)
+    n_use = selection_size(topk_ptr, b, num_pages, num_sel, extra, PS)
 
     q = _load_q(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, D_PAD)
     d = tl.arange(0, D_PAD)

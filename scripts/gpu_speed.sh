@@ -6,8 +6,10 @@
 # Needs what scripts/gpu_check.sh needs (the vLLM bundle installed, its env sourced). Steps, each
 # under `timeout` (limits add up to 350 s):
 #   kernels  GPU_SPEED_KERNELS_S=150  bench_kernels, trtllm preset, 4k/8k/16k/32k/128k x batch
-#                                     1/8/32: FLASH_ATTN, ROCKETKV's 3-launch decode and the
-#                                     six-launch one before it (rocketkv_legacy) in one process
+#                                     1/8/32: FLASH_ATTN and ROCKETKV's 3-launch decode in one
+#                                     process, beside the committed H200 numbers of the six-launch
+#                                     decode before it and of FLASH_ATTN that day (--before,
+#                                     results/gpu-h200-2026-12-04/)
 #                                     (GPU_SPEED_METHODS: add rocketkv_reuse for a step whose
 #                                     rows reuse their selection, reselect_every, and
 #                                     rocketkv_nopdl for the decode with PDL off)
@@ -34,7 +36,7 @@ unset TRITON_INTERPRET
 } > "$OUT/summary.txt"
 K=${GPU_SPEED_KERNELS_S:-150}
 step kernels "$K" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" "$PY" \
-  scripts/bench_kernels.py --configs preset=trtllm --methods "${GPU_SPEED_METHODS:-dense_flash_attn,rocketkv,rocketkv_legacy}" \
+  scripts/bench_kernels.py --configs preset=trtllm --methods "${GPU_SPEED_METHODS:-dense_flash_attn,rocketkv}" \
   --stage1-context 0 --time-budget $((K > 40 ? K - 25 : 15)) --out "$OUT/kernels.json"
 step e2e "${GPU_SPEED_E2E_S:-200}" env PYTHONPATH="$ROOT:$ROOT/eval:$EP${PYTHONPATH:+:$PYTHONPATH}" \
   "$PY" scripts/bench_e2e.py --model-config llama-3.1-8b \

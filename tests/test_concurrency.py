@@ -47,7 +47,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from rocketkv_vllm.kernels import hsa_score  # noqa: E402
+from rocketkv_vllm.kernels import hsa_score, page_select  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
 from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
 
@@ -476,7 +476,7 @@ def test_page_selection_merge_as_on_a_gpu():
         with tdl.sms(64), as_on_a_gpu(order, dict(probs=probs), seed=1):
             plan = hsa_score.plan_score(len(specs), hkv, max_pages, 64, False, 64)
             assert plan.merge_block > hsa_score.MERGE_SMALL_BLOCK and plan.splits > 8
-            return hsa_score.select_pages(probs, 64, *rows, topk, ps, "triton")
+            return page_select.select_pages(probs, 64, *rows, topk, ps, "triton")
 
     want = run("ascending")
     for order in ORDERS[1:]:

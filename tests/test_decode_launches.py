@@ -35,7 +35,7 @@ from reference import paged  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.jit import KernelInterface  # noqa: E402
 
-from rocketkv_vllm.kernels import hsa_score, sparse_decode  # noqa: E402
+from rocketkv_vllm.kernels import hsa_score, page_select, sparse_decode  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
 
 MAX_LAUNCHES = 3
@@ -96,6 +96,7 @@ def sms(n: int):
     """The SM count the launchers plan for (the interpreter's default is 2)."""
     with (
         mock.patch.object(hsa_score, "num_sms", lambda device: n),
+        mock.patch.object(page_select, "num_sms", lambda device: n),
         mock.patch.object(sparse_decode, "num_sms", lambda device: n),
     ):
         yield
@@ -311,6 +312,7 @@ def test_the_three_decode_launches_carry_pdl_when_it_is_on(on):
     with (
         mock.patch.object(KernelInterface, "__getitem__", getitem),
         mock.patch.object(hsa_score, "uses_pdl", lambda device: on),
+        mock.patch.object(page_select, "uses_pdl", lambda device: on),
         mock.patch.object(sparse_decode, "uses_pdl", lambda device: on),
     ):
         triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, max_pages, max_select, False)
@@ -478,7 +480,7 @@ def test_select_pages_two_level_merge_with_long_rows():
     with sms(64):
         plan = hsa_score.plan_score(len(specs), hkv, max_pages, 64, False, 64)
         assert plan.merge_block > hsa_score.MERGE_SMALL_BLOCK and plan.splits > 8
-        sel = hsa_score.select_pages(probs.to(DEVICE), 64, *rows, tk._ints(topk), ps, "triton")
+        sel = page_select.select_pages(probs.to(DEVICE), 64, *rows, tk._ints(topk), ps, "triton")
     sel = sel.cpu()
     for b, n in enumerate(num_pages):
         n_use = min(max(topk[b] // ps, 1), n, 64)
@@ -508,7 +510,7 @@ def test_probabilities_out_of_the_fused_selection():
             probs_out=probs,
         )
         want = torch.full_like(probs, 7.0)
-        hsa_score.hsa_page_probs(q, c.kt, table, nc, ts, seq, topr, ps, max_pages, True, out=want)
+        page_select.hsa_page_probs(q, c.kt, table, nc, ts, seq, topr, ps, max_pages, True, out=want)
     assert bool((probs != 7.0).any())
     assert torch.equal(probs, want)
 

@@ -50,8 +50,8 @@ from rocketkv_vllm.algorithm import (  # noqa: E402
 from rocketkv_vllm.kernels import hsa_score as hsa_score_module  # noqa: E402
 from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
-from rocketkv_vllm.kernels.hsa_score import hsa_page_probs, select_pages  # noqa: E402
 from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt  # noqa: E402
+from rocketkv_vllm.kernels.page_select import hsa_page_probs, select_pages  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
 from rocketkv_vllm.kernels.window_scores import window_scores  # noqa: E402
 from rocketkv_vllm.layout import kt_bounds, kt_cache_view, kt_row_bytes, physical_slots, split_kv  # noqa: E402

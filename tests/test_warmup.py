@@ -30,6 +30,7 @@ from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
 from rocketkv_vllm.kernels import (  # noqa: E402
     compact,
     hsa_score,
+    page_select,
     sparse_decode,
     window_scores,
 )
@@ -205,7 +206,7 @@ def test_per_prompt_arguments_name_kernel_parameters():
 
 STAGE2_KERNELS = {
     "_score_kernel": hsa_score._score_kernel,
-    "_select_kernel": hsa_score._select_kernel,
+    "_select_kernel": page_select._select_kernel,
     "_sparse_decode_kernel": sparse_decode._sparse_decode_kernel,
 }
 

@@ -35,9 +35,6 @@ holds ``context`` prompt tokens plus ``--generated`` generated ones (seq_len
   tail_start)/ps)). Per-launch eager times are added (``ms_score``,
   ``ms_select``, ``ms_sparse_attention``) and each launch's grid and
   programs with work (``launches``);
-* ``rocketkv_legacy``   -- the six-launch decode before issue 38
-  (``rocketkv_eval.legacy_stage2``), same rows: before / after in one run
-  (not in the default ``--methods``).
 * ``rocketkv_nopdl``    -- ``rocketkv`` with its launches' programmatic
   dependent launch off (``ROCKETKV_PDL=0``; on by default from compute
   capability 9.0): what PDL saves, in one run (not in the default
@@ -52,6 +49,20 @@ After the sizes: a summary -- the fixed cost (the smallest context at batch
 1, default 4k x 1, in us per layer; target <= 20 us) of each ROCKETKV
 method and config, and per (context, batch) each one's speed-up over
 FLASH_ATTN with issue 38's target where it sets one (JSON ``summary``).
+
+Before / after: the six-launch decode before issue 38 is no longer in the
+tree; its numbers are the committed ones of its H200 run
+(``--before``, default ``results/gpu-h200-2026-12-04/kernels-h200*.json``,
+tree 470658a, method ``rocketkv`` there). Each summary row of method
+``rocketkv`` gets that run's time of the same (context, batch, config)
+and its FLASH_ATTN time (``before_us``, ``before_dense_us``,
+``before_speedup``) beside this run's, so the speed-ups over FLASH_ATTN
+measured in one run each compare across cards (the times themselves only
+on an H200); ``before_same_rows`` says whether the recorded row had the
+same view (page size, view pages, pages selected). To time the old decode
+itself again: at 36d6902 ``scripts/bench_kernels.py``'s ``rocketkv`` is
+the six-launch decode; from 703a81b to 07aee78 ``--methods rocketkv_legacy``
+ran it beside the new one.
 
 The three dense methods read the same paged cache [num_blocks, Hkv, 16, 2d]
 (K|V per token, random block order; block 0 is vLLM's null block); RocketKV
@@ -114,12 +125,12 @@ try:  # config.py imports yaml (preset files); a bare GPU host may lack it
 except ImportError:  # pragma: no cover
     sys.modules["yaml"] = types.ModuleType("yaml")
 
-from rocketkv_eval import legacy_stage2  # noqa: E402
 from rocketkv_eval.dense_decode import dense_decode  # noqa: E402
 from rocketkv_vllm.backend.graphs import shape_for  # noqa: E402
 from rocketkv_vllm.config import parse_config, resolve_settings  # noqa: E402
 from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa: E402
-from rocketkv_vllm.kernels.hsa_score import launch_score, launch_select  # noqa: E402
+from rocketkv_vllm.kernels.hsa_score import launch_score  # noqa: E402
+from rocketkv_vllm.kernels.page_select import launch_select  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
 from rocketkv_vllm.ops import triton as triton_ops  # noqa: E402
 from rocketkv_vllm.ops.triton import TritonStage1  # noqa: E402
@@ -127,12 +138,18 @@ from rocketkv_vllm.plan import plan_request  # noqa: E402
 
 DENSE_METHODS = ("dense_flash_attn", "dense_triton_attn", "dense_own")
 # rocketkv: the decode of this checkout (ops.triton.hsa_decode, three
-# launches on the backend's workspace); rocketkv_legacy: the six-launch
-# decode before issue 38 (legacy_stage2), for before / after in one run;
-# rocketkv_reuse: a step whose rows all reuse a stored selection
-ROCKET_METHODS = ("rocketkv", "rocketkv_nopdl", "rocketkv_legacy", "rocketkv_reuse")
+# launches on the backend's workspace); rocketkv_reuse: a step whose rows
+# all reuse a stored selection
+ROCKET_METHODS = ("rocketkv", "rocketkv_nopdl", "rocketkv_reuse")
 METHODS = DENSE_METHODS + ROCKET_METHODS
 DEFAULT_CONTEXTS = "4096,8192,16384,32768,131072"
+# The six-launch decode before issue 38, as committed from its H200 run
+# (tree 470658a): the "before" of the summary (``--before``)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BEFORE_RUN = os.path.join(ROOT, "results", "gpu-h200-2026-12-04")
+DEFAULT_BEFORE = ",".join(
+    os.path.join(BEFORE_RUN, name) for name in ("kernels-h200.json", "kernels-h200-128k.json")
+)
 
 
 def parse_args(argv=None):
@@ -144,8 +161,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--methods",
         default=",".join(DENSE_METHODS + ("rocketkv",)),
-        help="comma list of " + ", ".join(METHODS) + " (rocketkv_legacy, the six-launch "
-        "decode before issue 38, only on request: before / after in one run)",
+        help="comma list of " + ", ".join(METHODS),
+    )
+    p.add_argument(
+        "--before",
+        default=DEFAULT_BEFORE,
+        help="comma list of bench_kernels JSON files of the decode before issue 38 (the"
+        " committed H200 run of 2026-12-04; later files win); '' for none",
     )
     p.add_argument(
         "--configs",
@@ -564,7 +586,7 @@ def rocket_plan(ctx, raw, a):
 def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
     """One rocketkv row (None + reason if the prompt is not compressed):
     ``rocketkv`` the decode of this checkout on a workspace made once (as
-    the backend's builder makes it), ``rocketkv_legacy`` the six-launch one."""
+    the backend's builder makes it)."""
     d, bs, hkv, hq = a.head_dim, a.block_size, a.hkv, a.hq
     settings, plan, mml = rocket_plan(ctx, raw, a)
     if not plan.compress:
@@ -627,7 +649,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
         def call():
             triton_ops.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out, workspace=ws)
 
-    elif method == "rocketkv_reuse":
+    else:  # rocketkv_reuse
         ws = triton_ops.DecodeWorkspace(dev, batch, hq, hkv, d, max_pages, max_select, force)
         # the backend's store: a slot per row and a spare, filled by one
         # selecting call, then every timed call reuses it
@@ -654,11 +676,6 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
 
         def call():
             step(every_row)
-
-    else:
-
-        def call():
-            legacy_stage2.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out)
 
     refresh = q.normal_
     pdl_env = {"ROCKETKV_PDL": "0"} if method == "rocketkv_nopdl" else {}
@@ -706,8 +723,6 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
     bytes_kt = batch * hkv * view_pages * kt_row_bytes(d, a.dtype, settings.kt_dtype)
     bytes_kv = batch * hkv * n_sel * ps * 2 * d * esize
     bytes_scratch = batch * hq * view_pages * 4 * 2  # logits: write + read
-    if method == "rocketkv_legacy":
-        bytes_scratch += batch * hkv * max_pages * 4 * 2  # probs: write + read
     if method == "rocketkv_reuse":  # no page is scored
         bytes_kt = bytes_scratch = 0
     bytes_kt_update = (
@@ -728,7 +743,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
             "max_pages": max_pages,
             "max_select": max_select,
             "pages_selected": n_sel,
-            "launches": launches if method != "rocketkv_legacy" else "6 (legacy_stage2)",
+            "launches": launches,
             "workspace_bytes": ws.nbytes if ws is not None else None,
             "bytes": bytes_kt + bytes_kv,
             "bytes_kt": bytes_kt,
@@ -829,12 +844,51 @@ SPEEDUP_TARGETS = {
 }
 
 
-def summarize(rows: list[dict], contexts: list[int], batches: list[int]) -> dict:
+# What must match for a recorded row to be the same decode work
+SAME_ROW_KEYS = ("page_size", "view_pages", "pages_selected")
+
+
+def load_before(paths: str, notes: list) -> dict:
+    """The recorded rows of ``--before``'s files by (context, batch,
+    method, config) (later files win); a missing file is a note."""
+    before = {}
+    for path in [p for p in paths.split(",") if p.strip()]:
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as exc:
+            notes.append(f"before: {path} not read ({type(exc).__name__}: {exc})"[:300])
+            continue
+        for r in doc.get("rows", []):
+            before[(r["context"], r["batch"], r["method"], r["config"])] = r
+    return before
+
+
+def before_columns(before: dict, r: dict) -> dict:
+    """The recorded old decode beside this run's ``rocketkv`` row r: its time,
+    that run's FLASH_ATTN time and speed-up (None where not recorded)."""
+    old = before.get((r["context"], r["batch"], "rocketkv", r["config"]))
+    dense = before.get((r["context"], r["batch"], "dense_flash_attn", None))
+    if r["method"] != "rocketkv" or old is None:
+        return {}
+    cols = {
+        "before_us": round(old["ms"] * 1e3, 2),
+        "before_dense_us": round(dense["ms"] * 1e3, 2) if dense else None,
+        "before_speedup": round(dense["ms"] / old["ms"], 3) if dense else None,
+        "before_same_rows": all(old.get(k) == r.get(k) for k in SAME_ROW_KEYS),
+    }
+    return cols
+
+
+def summarize(
+    rows: list[dict], contexts: list[int], batches: list[int], before: dict | None = None
+) -> dict:
     """The fixed cost (smallest context at batch 1: the time a layer's
     decode takes when there are hardly any bytes to read) per ROCKETKV
     method and config, and per (context, batch) each one's time and
     speed-up over FLASH_ATTN (else the first dense method) with the
-    issue's target where it sets one."""
+    issue's target where it sets one, and for ``rocketkv`` the recorded
+    decode before issue 38 (``before_columns``)."""
     by = {}
     for r in rows:
         by.setdefault((r["context"], r["batch"]), []).append(r)
@@ -861,6 +915,7 @@ def summarize(rows: list[dict], contexts: list[int], batches: list[int]) -> dict
                     "dense_us": round(dense[ref] * 1e3, 2) if ref else None,
                     "speedup": round(dense[ref] / r["ms"], 3) if ref else None,
                     "target": SPEEDUP_TARGETS.get((ctx, batch)),
+                    **before_columns(before or {}, r),
                 }
             )
     return {
@@ -882,9 +937,16 @@ def print_summary(summary: dict) -> None:
     for t in summary["rows"]:
         sp = f"x{t['speedup']:.2f} vs {t['dense_ref']}" if t["speedup"] else ""
         goal = f" (target x{t['target']:g})" if t["target"] else ""
+        old = ""
+        if t.get("before_us") is not None:
+            old = f"; before (2026-12-04 H200): {t['before_us']:.1f} us"
+            if t["before_speedup"]:
+                old += f" x{t['before_speedup']:.2f} vs FLASH_ATTN {t['before_dense_us']:.1f} us"
+            if not t["before_same_rows"]:
+                old += " [other view]"
         print(
             f"summary {t['context']:>7} x {t['batch']:<3} {t['method']:>15} {t['config']:>28}"
-            f" {t['us']:>9.1f} us {sp}{goal}",
+            f" {t['us']:>9.1f} us {sp}{goal}{old}",
             flush=True,
         )
 
@@ -940,6 +1002,7 @@ def main(argv=None) -> int:
         "skipped": skipped,
         "notes": notes,
         "stage1": None,
+        "before": a.before,
         "smoke": bool(a.smoke),
         "versions": {
             "torch": torch.__version__,
@@ -1102,7 +1165,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
             dump()
 
-    result["summary"] = summarize(rows, contexts, batches)
+    result["summary"] = summarize(rows, contexts, batches, load_before(a.before, notes))
     print_summary(result["summary"])
     dump()
     if a.stage1_context:

@@ -305,7 +305,7 @@ def import_kernels():
     (``rocketkv_eval.dense_decode``)."""
     sys.path.insert(0, str(ROOT))
     sys.path.insert(1, str(ROOT / "eval"))
-    names = ["window_scores", "compact", "kt_update", "hsa_score", "sparse_decode"]
+    names = ["window_scores", "compact", "kt_update", "hsa_score", "page_select", "sparse_decode"]
     mods = {n: importlib.import_module(f"rocketkv_vllm.kernels.{n}") for n in names}
     mods["dense_decode"] = importlib.import_module("rocketkv_eval.dense_decode")
     mods["ops"] = importlib.import_module("rocketkv_vllm.ops.triton")
@@ -447,7 +447,8 @@ def launch_config(
     t = Tensors(cfg)
     d, ps, scale = cfg.d, cfg.ps, cfg.d**-0.5
     ws, cp, ku = mods["window_scores"], mods["compact"], mods["kt_update"]
-    hs, sd, dd, ops = mods["hsa_score"], mods["sparse_decode"], mods["dense_decode"], mods["ops"]
+    hs, pg, sd = mods["hsa_score"], mods["page_select"], mods["sparse_decode"]
+    dd, ops = mods["dense_decode"], mods["ops"]
     from rocketkv_vllm.kernels._utils import pdl_capable  # this checkout's (import_kernels)
 
     pdl = pdl_capable(target.capability // 10)
@@ -503,10 +504,10 @@ def launch_config(
         "write_kv_and_kt": None
         if cfg.kv != "auto"
         else lambda: ku.write_kv_and_kt(t.k, t.v, t.kt, bt, seq, ps, new, new),
-        "hsa_page_probs": lambda: hs.hsa_page_probs(
+        "hsa_page_probs": lambda: pg.hsa_page_probs(
             q, t.kt, bt, nc, ts, seq, r["topr"], ps, max_pages, True
         ),
-        "select_pages": lambda: hs.select_pages(
+        "select_pages": lambda: pg.select_pages(
             probs, max_select, nc, ts, seq, r["topk"], ps, "auto", True
         ),
         "sparse_decode": lambda: sd.sparse_decode(*attend, out=out, extra_pages=1),
@@ -524,10 +525,12 @@ def launch_config(
     errors = []
     with (
         mock.patch.object(hs, "num_sms", lambda device: target.sms),
+        mock.patch.object(pg, "num_sms", lambda device: target.sms),
         mock.patch.object(sd, "num_sms", lambda device: target.sms),
         mock.patch.object(dd, "num_sms", lambda device: target.sms),
         # the decode's PDL launch where the target has it (uses_pdl's rule)
         mock.patch.object(hs, "uses_pdl", lambda device: pdl),
+        mock.patch.object(pg, "uses_pdl", lambda device: pdl),
         mock.patch.object(sd, "uses_pdl", lambda device: pdl),
     ):
         for name, call in calls.items():

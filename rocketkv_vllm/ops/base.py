@@ -234,6 +234,7 @@ SCRATCH_BYTES = 256 << 20
 
 def scratch_bytes_per_row(num_q_heads: int, num_kv_heads: int, max_pages: int) -> int:
     """Bytes of Stage 2 scratch per decode row: fp32 logits per query head and
-    probabilities per KV head for every page (``kernels.hsa_score``), plus as
+    probabilities per KV head for every page (``kernels.hsa_score``,
+    ``kernels.page_select``), plus as
     much again per KV head for the split partials and the selection."""
     return 4 * (num_q_heads + 2 * num_kv_heads) * max_pages

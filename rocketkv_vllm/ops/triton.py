@@ -20,13 +20,15 @@ cache as ``kt_cache`` (``layout.kt_cache_view``):
     1. ``_score_kernel``         grid (B*Hkv, S1)  KT update of the newest
        page fused in (the split holding the row's last page refreshes it
        before scoring it), page logits + per-split softmax partials
+       (``kernels.hsa_score``)
     2. ``_select_kernel``        grid (B*Hkv, S1)  probabilities on the fly
+       (``kernels.page_select``)
        from the merged partials, local top-n per split, the row's last
        split merges the candidates (atomic counter) -> selected pages
        [f = 1 with force_current_page: the current page is an extra page,
         selected on top of min(max_select, max_pages)]
     3. ``_sparse_decode_kernel`` grid (B*Hkv, S2)  attention over the
-       selected pages, split over pages; the row's last split merges the
+       (``kernels.sparse_decode``) selected pages, split over pages; the row's last split merges the
        partials into ``out`` (atomic counter), sinks there
   With a selection store (``selections``: reuse across steps) the same
   three launches: a reusing row's scoring programs only refresh its KT
@@ -67,7 +69,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rocketkv_vllm.kernels import hsa_score, sparse_decode
+from rocketkv_vllm.kernels import hsa_score, page_select, sparse_decode
 from rocketkv_vllm.kernels._utils import (
     cdiv,
     check_kv_cache,
@@ -76,7 +78,8 @@ from rocketkv_vllm.kernels._utils import (
     row_vectors,
 )
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
-from rocketkv_vllm.kernels.hsa_score import ScorePlan, ScoreScratch, launch_score, launch_select
+from rocketkv_vllm.kernels.hsa_score import ScorePlan, ScoreScratch, launch_score
+from rocketkv_vllm.kernels.page_select import launch_select
 from rocketkv_vllm.kernels.sparse_decode import AttentionPlan, AttentionScratch
 from rocketkv_vllm.kernels.window_scores import window_scores
 from rocketkv_vllm.layout import split_kv
@@ -527,7 +530,7 @@ def hsa_decode(
         reuse=reuse,
     )
     if torch_select:
-        sel = hsa_score.select_pages(
+        sel = page_select.select_pages(
             score_scratch.probs,
             max_select,
             num_compact,
