@@ -1,5 +1,6 @@
 """The package's import graph has no circle: every import in every module,
-those inside functions included, points one way."""
+those inside functions included, points one way, between modules and between
+the parts of the package (its top-level modules and subpackages)."""
 
 import ast
 import os
@@ -73,6 +74,41 @@ def test_no_import_circle_in_the_package():
     assert "rocketkv_vllm.config" in graph["rocketkv_vllm.plan"]  # the graph is read
     assert "rocketkv_vllm.kernels.compact" in graph["rocketkv_vllm.ops.triton"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def part_of(name: str) -> str:
+    """The part of the package a module belongs to: its top-level module or
+    subpackage (a row of docs/design.md's module table)."""
+    return ".".join(name.split(".")[:2])
+
+
+def parts_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between the parts of the package."""
+    parts: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        part = part_of(name)
+        parts.setdefault(part, set()).update(part_of(t) for t in targets if part_of(t) != part)
+    return parts
+
+
+def test_parts_graph_joins_the_modules_of_a_part():
+    graph = {"p": set(), "p.a": set(), "p.a.x": {"p.b"}, "p.b": {"p.a.y"}, "p.a.y": set()}
+    parts = parts_graph(graph)
+    assert parts == {"p": set(), "p.a": {"p.b"}, "p.b": {"p.a"}}
+    assert find_cycle(graph) is None and find_cycle(parts) == ["p.a", "p.b", "p.a"]
+
+
+def test_no_upward_import_between_the_parts_of_the_package():
+    """The parts of the package (docs/design.md's module table) import each
+    other one way only, none excepted: no part imports a part that imports
+    it back, directly or not, though no module would import itself (as
+    ``host_tier.connector`` importing ``engine``, which imports
+    ``host_tier.pool``, once did)."""
+    parts = parts_graph(import_graph())
+    assert "rocketkv_vllm.host_tier" in parts["rocketkv_vllm.engine"]  # the graph is read
+    assert "rocketkv_vllm.kv_cache" in parts["rocketkv_vllm.host_tier"]
+    cycle = find_cycle(parts)
+    assert cycle is None, "an upward import: " + " -> ".join(cycle)
 
 
 KERNELS = "rocketkv_vllm.kernels"

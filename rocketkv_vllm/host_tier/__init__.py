@@ -6,6 +6,8 @@ tier is a plain buffer and a transfer is a synchronous block copy
 (``cpu_worker.HostCopyWorker``). ``connector.HostTierConnector`` is vLLM's
 ``SimpleCPUOffloadConnector`` (eager stores, prefix-cache hashes, LRU host
 pool) with that worker on CPU; ``--kv-offloading-size`` selects it there.
+What it stores for ROCKETKV is decided in ``store_rules`` (pure functions,
+applied by ``scheduler``); ``pool`` checks the host pool's size at startup.
 """
 
 from __future__ import annotations

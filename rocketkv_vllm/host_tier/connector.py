@@ -22,7 +22,7 @@ class HostTierConnector(SimpleCPUOffloadConnector):
         from vllm.platforms import current_platform
 
         if self.scheduler_manager is not None:
-            from rocketkv_vllm.engine import check_host_tier_pool
+            from rocketkv_vllm.host_tier.pool import check_host_tier_pool
             from rocketkv_vllm.host_tier.scheduler import RocketKVHostScheduler
 
             # vLLM serves a pool of only its null block silently: refused.

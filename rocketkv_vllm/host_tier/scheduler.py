@@ -4,22 +4,25 @@ vLLM's eager host tier stores every *hashed* block of a running request's
 block table after the forward that computed it, and loads a host hit into
 the request's new blocks. ROCKETKV hashes only dense prompt blocks and
 never writes a hashed block again, so what vLLM stores is already dense
-K/V of its token prefix. Three rules are added:
+K/V of its token prefix. Three rules are added; what each decides is a pure
+function in ``store_rules`` (the home of "what the host tier stores"), applied
+here to vLLM's pools and requests:
 
 - a host hit stops where the local one must: a compressed prompt's last
-  ``window_size`` tokens are computed (Stage 1 needs their queries);
-- compaction targets, which the device never hashes (Stage 1 compacts the
-  kept tokens into them), are stored under their dense hashes from the step
-  whose forward completes them, and never from the Stage 1 step, whose
-  store runs after its forward has compacted them
-  (``RocketKVManager.chunk_tokens`` keeps the last target out of that step
-  except when the targets end at the prompt's end; then none is stored).
-  Copies on vLLM's CPU build finish inside the step. So a compressed
-  conversation's host chain starts at block 0, and a later turn can be
-  served from the host after the device has evicted everything;
+  ``window_size`` tokens are computed (Stage 1 needs their queries;
+  ``host_hit_limit``);
+- compaction targets, which the device never hashes, are stored under their
+  dense hashes from the step whose forward completes them, never from the
+  Stage 1 step (``target_stores``). Copies on vLLM's CPU build finish inside
+  the step. So a compressed conversation's host chain starts at block 0, and
+  a later turn can be served from the host after the device has evicted
+  everything;
 - the blocks a compressed prompt gives back after its Stage 1 step are
   stored from that step (after its forward), not one step later as vLLM
-  would: by then another request may have reused one, a hole in the chain.
+  would: by then another request may have reused one, a hole in the chain
+  (``handoff_stores``).
+
+What does not fit the host pool's free blocks is not stored (``fit_host_pool``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from __future__ import annotations
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler, TransferMeta
 
+from rocketkv_vllm.host_tier.store_rules import (
+    fit_host_pool,
+    handoff_stores,
+    host_hit_limit,
+    target_stores,
+)
 from rocketkv_vllm.kv_cache import RocketKVManager
 
 
@@ -66,7 +75,7 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
             return found, is_async
         # The device hit's cap, applied to local + host.
         capped = self.rocketkv.capped_hit(request, num_computed_tokens + found, [], record=False)
-        allowed = max(0, capped - num_computed_tokens)
+        allowed = host_hit_limit(num_computed_tokens, capped)
         if found <= allowed:
             return found, is_async
         if allowed == 0:
@@ -113,11 +122,9 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
 
     def _queue_compressed_prompt_stores(self, scheduler_output) -> None:
         """Stores of compressed prompts' blocks that vLLM's own (one step
-        later) would miss: the compaction targets, from the step whose forward
-        completes them (the Stage 1 step compacts into them), and in the
-        Stage 1 step the blocks given back after it (another request may
-        reuse one before the next step's store, leaving a hole in the host
-        chain). Both copies run after this step's forward."""
+        later) would miss (``store_rules``): the compaction targets, from the
+        step whose forward completes them, and in the Stage 1 step the blocks
+        given back after it. Both copies run after this step's forward."""
         mgr = self.rocketkv
         bs, gid = mgr.block_size, mgr.kv_cache_group_id
         gpu_pool, host_pool = self._gpu_block_pool, self.cpu_block_pool
@@ -126,6 +133,10 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
         on_host = host_pool.cached_block_hash_to_block.get_one_block  # by hash with group
         gpu_ids: list[int] = []  # targets first, then given-back blocks
         given_back: list[int] = []
+
+        def room() -> int:  # host blocks free and not yet taken by this step
+            return host_pool.get_num_free_blocks() - len(gpu_ids) - len(given_back)
+
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._reqs_to_store.get(req_id)
             if state is None or state.finished:
@@ -135,43 +146,43 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
             if not plan.compress:
                 continue
             before = request.num_computed_tokens  # not yet advanced for this step
-            end = plan.compact_blocks(bs) * bs
+            n = request.num_prompt_tokens
             blocks = mgr.req_to_blocks.get(req_id, [])
-            stage1_step = before < request.num_prompt_tokens <= before + num_new
-            # Never from the Stage 1 step: its copies run after its forward
-            # has compacted every target. The last target is written in that
-            # step only when the targets end at the prompt's end (which
-            # chunk_tokens cannot split off); that prompt's targets then
-            # reach the device cache only (preserved copies), not the host.
-            if not stage1_step and before < end <= before + num_new:
+            targets = target_stores(before, num_new, n, plan.compact_blocks(bs) * bs, bs)
+            if targets:
                 hashes = resolve_block_hashes(
                     request.block_hashes, mgr.block_pool.hash_block_size, bs
                 )
-                for j in range(min(end // bs, len(hashes), len(blocks))):
-                    key = make_block_hash_with_group_id(hashes[j], gid)
-                    if blocks[j].is_null or key in queued or on_host(key):
-                        continue
-                    if host_pool.get_num_free_blocks() <= len(gpu_ids) + len(given_back):
-                        # Host full: the chain is cut here.
-                        mgr.prefix_account.host_target_blocks_dropped += end // bs - j
-                        break
-                    queued.add(key)
+                keys = [
+                    make_block_hash_with_group_id(hashes[j], gid)
+                    for j in targets[: min(len(hashes), len(blocks))]
+                ]
+                wanted = [
+                    not blocks[j].is_null and key not in queued and not on_host(key)
+                    for j, key in enumerate(keys)
+                ]
+                taken, cut = fit_host_pool(wanted, room())
+                for j in taken:
+                    queued.add(keys[j])
                     gpu_ids.append(blocks[j].block_id)
-                    self._target_hashes[blocks[j].block_id] = key
-            if before < request.num_prompt_tokens <= before + num_new:
-                start, stop = plan.freed_block_range(bs)
-                for block in blocks[start:stop]:
-                    if (
+                    self._target_hashes[blocks[j].block_id] = keys[j]
+                if cut is not None:  # host full: the chain is cut here
+                    mgr.prefix_account.host_target_blocks_dropped += len(targets) - cut
+            freed = handoff_stores(before, num_new, n, plan.freed_block_range(bs))
+            if freed:
+                candidates = blocks[freed.start : freed.stop]
+                wanted = [
+                    not (
                         block.is_null
                         or block.block_hash is None
                         or block.block_id in in_flight
                         or block.block_id in given_back
                         or on_host(block.block_hash)
-                    ):
-                        continue
-                    if host_pool.get_num_free_blocks() <= len(gpu_ids) + len(given_back):
-                        break
-                    given_back.append(block.block_id)
+                    )
+                    for block in candidates
+                ]
+                taken, _ = fit_host_pool(wanted, room())
+                given_back += [candidates[i].block_id for i in taken]
         if not gpu_ids and not given_back:
             return
         cpu_ids = [b.block_id for b in host_pool.get_new_blocks(len(gpu_ids) + len(given_back))]
