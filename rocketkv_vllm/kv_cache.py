@@ -484,6 +484,26 @@ def rocketkv_manager(kv_cache_manager) -> RocketKVManager | None:
     return None
 
 
+def blocks_never_computed(kv_cache_manager, request) -> set[int]:
+    """The blocks of ``request``, in every KV cache group, that hold a prefix
+    hash for tokens it has not computed. Priority scheduling may preempt a
+    request in the very step that allocated its next chunk (after a request
+    of higher priority ran short of blocks): vLLM hashed the chunk's full
+    blocks when it allocated them, and the step's forward will not write
+    them. Left in the prefix cache, a later hit (the request resumed, a
+    parallel sample of it) would read K/V never written."""
+    computed = request.num_computed_tokens
+    coordinator = kv_cache_manager.coordinator
+    stale = set()
+    for manager, blocks in zip(
+        coordinator.single_type_managers, coordinator.get_blocks(request.request_id)
+    ):
+        for j, block in enumerate(blocks):
+            if (j + 1) * manager.block_size > computed and block.block_hash is not None:
+                stale.add(block.block_id)
+    return stale
+
+
 def register_kv_cache_spec() -> None:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 

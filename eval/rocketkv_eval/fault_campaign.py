@@ -46,9 +46,10 @@
 
 3. The abort-and-chaos campaign (``--chaos``, issue 57): storms at
    ``max_num_seqs`` 2, 3, 4 and vLLM's default, with and without the host
-   tier, prompts around the window's and the chunks' edges, 1-4 samples,
-   aborts aimed at every phase of a request (``PHASES``); every completed
-   sample checked against its lone run (``chaos_campaign``).
+   tier, under FCFS and priority scheduling (``CHAOS_CELLS``), prompts
+   around the window's and the chunks' edges, 1-4 samples, aborts aimed
+   at every phase of a request (``PHASES``); every completed sample checked
+   against its lone run (``chaos_campaign``).
 """
 
 from __future__ import annotations
@@ -242,6 +243,13 @@ def abort_storm(
                 priority=priority,
             )
             added += 1
+        # Preempted in the last step, if at all (counted before the abort,
+        # which may take a preempted request).
+        for request in sched.requests.values():
+            if request.num_preemptions:
+                sample = (_caller_id(request.request_id), _sample_index(request.request_id))
+                preempted_at.setdefault(sample, request.num_output_tokens)
+            preempted[request.request_id] = request.num_preemptions
         # The storm: a third of the requests aborted, at any stage (chaos:
         # aimed, and a phase's first abort whatever the third, so rare phases
         # such as a preempted request's are reached).
@@ -259,11 +267,6 @@ def abort_storm(
             engine.abort_request([victim])
             aborted.add(victim)
             del live[victim]
-        for request in sched.requests.values():  # preempted in the last step, if at all
-            if request.num_preemptions:
-                sample = (_caller_id(request.request_id), _sample_index(request.request_id))
-                preempted_at.setdefault(sample, request.num_output_tokens)
-            preempted[request.request_id] = request.num_preemptions
         try:
             outputs = engine.step()
         except Exception as e:  # noqa: BLE001 - the campaign counts engine deaths
@@ -415,17 +418,19 @@ def _samples(added: int, rng: random.Random, chaos: bool) -> int:
     return 2 if added % 5 == 2 else 1
 
 
-# The chaos campaign's cells: (max_num_seqs, host tier); None: vLLM's default.
-# Each setting with and without the host tier comes before any repeats.
+# The chaos campaign's cells: (max_num_seqs, host tier, scheduling policy);
+# None: vLLM's default. Each size meets both policies and the host tier both
+# ways; priority scheduling preempts the running request of lowest priority,
+# so its cells are where aborts of preempted requests happen.
 CHAOS_CELLS = (
-    (2, True),
-    (3, False),
-    (4, True),
-    (None, False),
-    (2, False),
-    (3, True),
-    (4, False),
-    (None, True),
+    (2, True, "fcfs"),
+    (3, False, "priority"),
+    (4, True, "priority"),
+    (None, False, "fcfs"),
+    (2, False, "priority"),
+    (3, True, "fcfs"),
+    (4, False, "fcfs"),
+    (None, True, "priority"),
 )
 
 
@@ -443,10 +448,11 @@ def chaos_campaign(
     cells = [c for c in CHAOS_CELLS if not (c[1] and _on_model_runner_v2())]
     per_cell = -(-num_requests // len(cells))
     results = []
-    for i, (seqs, host) in enumerate(cells):
+    for i, (seqs, host, policy) in enumerate(cells):
         storm, records = abort_storm(
-            per_cell, seed + i, model, host_tier=host, max_num_seqs=seqs, chaos=True
+            per_cell, seed + i, model, policy, host, max_num_seqs=seqs, chaos=True
         )
+        storm["policy"] = policy
         oracle = oracle_check(records, 1e-3, 1e-3, model=model) if records else {"ok": True}
         storm["oracle"] = {k: v for k, v in oracle.items() if k != "tie_divergences"}
         storm["ok"] = (
@@ -457,7 +463,10 @@ def chaos_campaign(
             and oracle["ok"]
         )
         results.append(storm)
-        print(json.dumps({k: storm[k] for k in ("max_num_seqs", "host_tier", "ok")}), flush=True)
+        print(
+            json.dumps({k: storm[k] for k in ("max_num_seqs", "host_tier", "policy", "ok")}),
+            flush=True,
+        )
         if partial:  # the cells so far, in case the campaign is cut short
             with open(partial, "w") as f:
                 json.dump({"cells": results}, f, indent=1)

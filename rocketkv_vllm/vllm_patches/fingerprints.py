@@ -30,6 +30,7 @@ FINGERPRINTS: dict[str, str] = {
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.cache_blocks": "69582193f0940ec9",
     "vllm.v1.core.kv_cache_coordinator.KVCacheCoordinator.find_longest_cache_hit": "aeb84f95b8be9955",
     "vllm.v1.core.kv_cache_manager.KVCacheManager.get_computed_blocks": "02f49e1f85f9d075",
+    "vllm.v1.core.sched.scheduler.Scheduler._preempt_request": "fd270a8869ed2904",
     "vllm.v1.core.sched.scheduler.Scheduler._reserve_prefill_lookahead": "c5dfa6523d7f5a1c",
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output": "00efb15a0276a223",
     "vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager.__init__": "5c086111102abcfb",

@@ -203,6 +203,33 @@ RELIED_ON: tuple[Relied, ...] = (
         "vLLM's cache_blocks loop skips a group whose flag is off (run once per side)",
         "rocketkv_vllm.vllm_patches.scheduler._coordinator_cache_blocks",
     ),
+    # -- a chunk withdrawn by a preemption in its own step (kv_cache.blocks_never_computed) --
+    Relied(
+        "vllm.v1.core.kv_cache_coordinator",
+        "KVCacheCoordinator",
+        "get_blocks",
+        "method",
+        "a request's blocks per KV cache group, in token order",
+        "rocketkv_vllm.kv_cache.blocks_never_computed",
+        ("self", "request_id"),
+    ),
+    Relied(
+        "vllm.v1.core.block_pool",
+        "BlockPool",
+        "evict_blocks",
+        "method",
+        "take blocks out of the prefix cache whatever their reference count",
+        "rocketkv_vllm.vllm_patches.scheduler._preempt_request",
+        ("self", "block_ids"),
+    ),
+    Relied(
+        "vllm.v1.core.kv_cache_utils",
+        "KVCacheBlock",
+        "block_hash",
+        "attr",
+        "a block in the prefix cache has a hash",
+        "rocketkv_vllm.kv_cache.blocks_never_computed",
+    ),
     # -- ROCKETKV's block manager (kv_cache) --
     _override(_KV, _FAM, "__init__", ("self", "kv_cache_spec"), _MANAGER, exact=False),
     _override(

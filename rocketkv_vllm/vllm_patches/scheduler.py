@@ -77,6 +77,20 @@ def _coordinator_cache_blocks(original):
     return cache_blocks
 
 
+def _preempt_request(original):
+    def _preempt_request(self, request, timestamp, drop_stale_output=False):
+        from rocketkv_vllm.kv_cache import blocks_never_computed, rocketkv_manager
+
+        if rocketkv_manager(self.kv_cache_manager) is None:
+            return original(self, request, timestamp, drop_stale_output)
+        stale = blocks_never_computed(self.kv_cache_manager, request)
+        # Out of the prefix cache before the free puts them back in the pool.
+        self.kv_cache_manager.block_pool.evict_blocks(stale)
+        return original(self, request, timestamp, drop_stale_output)
+
+    return _preempt_request
+
+
 def _update_from_output(original):
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = original(self, scheduler_output, model_runner_output)
@@ -118,6 +132,16 @@ PATCHES: tuple[Patch, ...] = (
         "a hybrid model's other KV cache groups hash a compressed request's "
         "dense prefix only: its tail and generated tokens came through the "
         "compressed layers (kv_cache.RocketKVManager.dense_prefix_tokens)",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "_preempt_request",
+        ("self", "request", "timestamp", "drop_stale_output"),
+        _preempt_request,
+        "a request preempted in the step that allocated its chunk (priority "
+        "scheduling) takes the hashes of that chunk's blocks out of the prefix "
+        "cache: their K/V are never written (kv_cache.blocks_never_computed)",
     ),
     Patch(
         "vllm.v1.core.sched.scheduler",
