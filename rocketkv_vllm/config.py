@@ -35,6 +35,7 @@ from rocketkv_vllm.budget import (
 CONFIG_KEY = "rocketkv"
 KERNEL_CHOICES = ("auto", "torch", "triton")
 KT_DTYPE_CHOICES = ("auto", "fp8_e4m3")
+KEEP_RULE_CHOICES = ("snapkv", "streaming", "h2o")
 MAX_INT = 1 << 24
 
 
@@ -110,6 +111,13 @@ class RocketKVConfig:
         hi=4096,
     )
     kernel_size: int = knob(63, "max-pool width over the scores (odd)", lo=1, hi=4095, odd=True)
+    keep_rule: str = knob(
+        "snapkv",
+        "which prompt tokens Stage 1 keeps (docs/keep-rules.md): `snapkv` (RocketKV's); "
+        "baselines `streaming` (4 sinks + the most recent) and `h2o` (accumulated "
+        "attention of every prompt query; needs prefix caching off)",
+        kind=KEEP_RULE_CHOICES,
+    )
     page_size: int | None = knob(
         None,
         "tokens per KT page; a power of two dividing the KV block size "

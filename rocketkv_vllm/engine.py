@@ -10,7 +10,6 @@ ROCKETKV cannot serve. (An engine's settings are read from its
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict
 
@@ -25,6 +24,7 @@ from rocketkv_vllm.config import (
     test_aids_for,
 )
 from rocketkv_vllm.fp8_kv import FP8_FORMATS
+from rocketkv_vllm.host_tier.pool import check_host_tier_pool  # noqa: F401 (its home)
 from rocketkv_vllm.plan import plan_request
 
 # Under the "vllm" logger so records show with vLLM's own formatting.
@@ -94,6 +94,15 @@ def configure_engine(vllm_config) -> None:
 
     settings = settings_for(vllm_config)
     warn_test_switches(vllm_config, settings)
+    if settings.keep_rule == "h2o" and cache_config.enable_prefix_caching:
+        # H2O's scores sum the attention of every prompt query: a prefix hit
+        # would skip the queries of its cached blocks (docs/keep-rules.md).
+        raise ValueError(
+            "rocketkv.keep_rule='h2o' is invalid with enable_prefix_caching=True: H2O "
+            "scores every prompt query, which a prefix-cache hit skips; start the "
+            "engine with enable_prefix_caching=False (--no-enable-prefix-caching) or "
+            "use keep_rule 'snapkv' or 'streaming'"
+        )
 
     if cache_config.prefix_cache_retention_interval == 0:
         # vLLM's default keeps a sliding-window group's blocks only at each
@@ -207,48 +216,6 @@ def warn_ignored_settings(vllm_config) -> None:
         "; ".join(ignored),
         backend,
     )
-
-
-def check_host_tier_pool(vllm_config, kv_cache_config, num_host_blocks: int) -> None:
-    """Refuse a host tier (``kv_offloading_size``) whose pool holds one block,
-    vLLM's null block, so that nothing is ever stored (vLLM runs it
-    silently); warn when it holds fewer blocks than one prompt of
-    ``max_model_len`` tokens needs. For the host-tier connector's scheduler
-    side, once vLLM has sized the pool (``num_cpu_blocks``: at least 1, the
-    pool bytes per rank over the bytes one block id holds in all layers)."""
-    cache = vllm_config.cache_config
-    world = vllm_config.parallel_config.world_size
-    block_bytes = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
-    if cache.kv_offloading_size is not None:
-        size = f"kv_offloading_size={cache.kv_offloading_size:g}"
-    else:
-        size = "kv_connector_extra_config.cpu_bytes_to_use"
-
-    def minimum(blocks: int) -> str:  # the size holding this many blocks per rank
-        if cache.kv_offloading_size is None:
-            return f"cpu_bytes_to_use={blocks * block_bytes * world}"
-        gib = math.ceil(blocks * block_bytes * world / (1 << 30) * 1e4) / 1e4
-        return f"kv_offloading_size={gib:g} (GiB)"
-
-    if num_host_blocks < 2:
-        raise ValueError(
-            f"{size} is too small for the host tier: its pool holds {num_host_blocks} "
-            f"block of {block_bytes} bytes per rank, vLLM's null block, so nothing "
-            f"would be stored; allowed: at least {minimum(2)}, two blocks, or no host tier"
-        )
-    usable = num_host_blocks - 1
-    request_blocks = math.ceil(vllm_config.model_config.max_model_len / cache.block_size)
-    if usable < request_blocks:
-        logger.warning_once(
-            "Host tier: %s holds %d blocks of %d tokens (%d tokens), fewer than one "
-            "prompt of max_model_len=%d tokens needs (%s holds one).",
-            size,
-            usable,
-            cache.block_size,
-            usable * cache.block_size,
-            vllm_config.model_config.max_model_len,
-            minimum(request_blocks + 1),
-        )
 
 
 def cache_dtype_refusals(cache_config, model_config) -> list[str]:

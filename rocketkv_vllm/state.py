@@ -156,6 +156,9 @@ class Counters:
     # Stage 1 calls (request x layer) that found their earlier window
     # queries gone and scored with this chunk's only (never expected)
     stage1_short_windows: int = 0
+    # Stage 1 calls under keep_rule h2o whose scores missed a prompt chunk
+    # (their buffer was gone) and kept by the chunks they hold (never expected)
+    stage1_partial_h2o_scores: int = 0
     stage1_seconds: float = 0.0  # all layers, only with ROCKETKV_TIMING=1
     timing: bool = field(
         default_factory=lambda: os.environ.get("ROCKETKV_TIMING", "0") not in ("", "0"), repr=False
@@ -189,9 +192,13 @@ class WorkerState:
         self.counters = Counters()
         # The engine's ``backend.window.WindowQueries``, made by its first layer.
         self.window_queries = None
+        # The engine's ``backend.h2o.H2OScores`` (keep_rule h2o), made by its first layer.
+        self.h2o_scores = None
         # Test aid record_kept_positions: (prompt tokens, kept [Hkv, budget]) of
         # every Stage 1, one entry per layer, in layer order.
         self.kept_positions: list[tuple[int, torch.Tensor]] = []
+        # ... and under keep_rule h2o the scores each kept by ([Hkv, N] fp32).
+        self.kept_h2o_scores: list[torch.Tensor] = []
 
 
 _WORKERS: dict[int, WorkerState] = {}

@@ -170,6 +170,7 @@ SLOWEST_FIRST = (
     "test_engine.py",
     "test_eval.py",
     "test_metrics.py",
+    "test_keep_rule_engine.py",
     "test_gemma3_engine.py",
     "test_fp8_kv_engine.py",
     "test_parallel.py",

@@ -854,3 +854,26 @@ def test_selection_slots_go_to_the_request_unused_longest():
     assert step(["x", "z"], [11, 5]) == ([0, 1], [1, 0])  # z takes y's slot
     assert step(["y", "z"], [11, 6]) == ([0, 1], [0, 1])  # y takes x's
     assert step(["x"], [12], np.array([9])) == ([-1], [0])  # wider than the store
+
+
+@pytest.mark.parametrize("rule", ["snapkv", "streaming", "h2o"])
+def test_keep_rule_chooses_which_prompt_chunks_carry_rows(model_path, rule):
+    """snapkv keeps the window queries of earlier chunks (window rows), h2o
+    accumulates every earlier chunk's scores (score rows), streaming needs
+    neither; the prompt's last chunk is Stage 1's under every rule."""
+    b = _make_builder(
+        model_path, {"token_budget": 256, "keep_rule": rule}, 8192, enable_prefix_caching=False
+    )
+    table = _block_table(1)
+    _v2_new_requests(b, [(3, 1000)])
+    chunks = [(0, 512), (512, 476), (988, 12)]  # the window (968..999) spans the last two
+    seen = []
+    for context, q in chunks:
+        md = b.build(0, _cm(b, [(context, q, 0)], table, req_idx=[3]))
+        seen.append((len(md.window_rows), len(md.score_rows), len(md.stage1_rows)))
+    want = {
+        "snapkv": [(0, 0, 0), (1, 0, 0), (0, 0, 1)],
+        "streaming": [(0, 0, 0), (0, 0, 0), (0, 0, 1)],
+        "h2o": [(0, 1, 0), (0, 1, 0), (0, 0, 1)],
+    }[rule]
+    assert seen == want

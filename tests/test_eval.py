@@ -115,6 +115,16 @@ def test_method_settings():
     }
     assert mod.method_settings("oracle", 256, 64)["page_size"] == 1
     assert mod.method_settings("rocketkv", 256, 64)["token_budget"] == 256
+    # The Stage 1 baselines: snapkv's budget semantics with their keep rule.
+    from rocketkv_vllm.config import parse_config
+
+    for rule in ("streaming", "h2o"):
+        assert rule in mod.METHODS and rule not in mod.DEFAULT_METHODS
+        settings = mod.method_settings(rule, 128, 63)
+        assert settings == dict(snap, keep_rule=rule)
+        assert parse_config(settings).keep_rule == rule
+        assert mod.kept_tokens(rule, settings, 2048) == 128
+    assert "keep_rule" not in snap
 
 
 def test_agreement_from_outputs():

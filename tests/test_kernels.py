@@ -377,6 +377,86 @@ def test_snapkv_compress(n, hkv, g, d, bs, ps, dtype, budget, layout, kt_dtype):
 
 
 @parametrize(
+    "rule,n,ps,dtype,layout,kt_dtype",
+    [
+        ("streaming", 200, 4, F32, "cpu_vec", AUTO),
+        ("streaming", 170, 2, BF16, "split", FP8),
+        ("h2o", 200, 4, F32, "token", AUTO),
+        ("h2o", 150, 8, BF16, "head_rows", FP8),
+    ],
+)
+def test_baseline_keep_rules_compress(rule, n, ps, dtype, layout, kt_dtype):
+    """keep_rule streaming / h2o (docs/keep-rules.md) on the Triton Stage 1:
+    the algorithm's positions, moved and paged as the PyTorch steps do. H2O's
+    scores come from the engine's store (``backend.h2o``) fed in two chunks."""
+    from types import SimpleNamespace
+
+    from rocketkv_vllm.algorithm import h2o_keep_positions, h2o_scores, streaming_keep_positions
+    from rocketkv_vllm.backend.h2o import H2OScores
+
+    hkv, g, d, bs, w, budget = 2, 3, 64, 16, 16, 70
+    gen = torch.Generator().manual_seed(n)
+    c = Cache(n // bs + 4, hkv, d, bs, ps, dtype, layout, kt_dtype=kt_dtype)
+    row = c.new_row(-(-n // bs))
+    c.fill(row, 0, n, gen)
+    scale = d**-0.5
+    tail_start = n // bs * bs
+    protect_from = min(n - w, tail_start)
+    scores = None
+    if rule == "streaming":
+        want = streaming_keep_positions(n, hkv, budget, protect_from=protect_from)
+    else:
+        queries = torch.randn(n, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+        store = H2OScores()
+        plan = SimpleNamespace(num_prompt_tokens=n)
+        half = n // 2
+        store.add(
+            "l",
+            SimpleNamespace(q_start=0, q_end=half, context_len=0, block_row=row, plan=plan, key=1),
+            queries,
+            c.k,
+            scale,
+        )
+        scores, whole = store.take(
+            "l",
+            SimpleNamespace(
+                q_start=0, q_end=n - half, context_len=half, block_row=row, plan=plan, key=1
+            ),
+            queries[half:],
+            c.k,
+            scale,
+        )
+        assert whole
+        keys, _ = paged.gather_kv(c.k, c.v, row, torch.arange(n, device=DEVICE))
+        ref_scores = h2o_scores(queries, keys.float(), scale)
+        torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-4)
+        want = h2o_keep_positions(scores.cpu(), budget, w, tail_start)
+    before = c.clone()
+    kept = TritonStage1().compress(
+        c.k,
+        c.v,
+        c.kt,
+        row,
+        None,
+        n,
+        budget,
+        tail_start,
+        7,
+        ps,
+        scale,
+        keep_rule=rule,
+        h2o_scores=scores,
+        window_size=w,
+    )
+    assert torch.equal(kept.cpu(), want)
+    num_compact = budget - (n - tail_start)
+    torch_ops.compact_kept_tokens(before.k, before.v, row, kept[:, :num_compact])
+    torch_ops.write_kt_pages(before.k, before.kt, row, 0, num_compact, ps)
+    torch_ops.write_kt_pages(before.k, before.kt, row, tail_start, n, ps)
+    _same_storage(c, before)
+
+
+@parametrize(
     "n,ps,layout,kt_dtype",
     [(200, 4, "cpu_vec", AUTO), (192, 2, "token", AUTO), (136, 8, "head_rows", FP8)],
 )

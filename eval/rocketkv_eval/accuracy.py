@@ -34,6 +34,11 @@ at token budget B (tokens attended per decode step):
   ``"reselect_every"`` 2 / 4 (a page selection serves up to 2 / 4 decode
   steps within the newest token's page; needs a page size >= that, which
   the split gives at small budgets); not in the default grid.
+- ``streaming`` / ``h2o``: ``snapkv``'s settings with ``"keep_rule"``
+  ``"streaming"`` (4 attention sinks + the most recent tokens) / ``"h2o"``
+  (the recent window + the highest attention summed over every prompt
+  query; prefix caching is off in every engine here, which H2O needs):
+  the Stage 1 baselines of docs/keep-rules.md; not in the default grid.
 - ``oracle``: ``{"evict": false, "page_size": 1, "topk": B,
   "force_current_page": false}``: pages of one token over all channels score
   exactly q.k, so this attends to the top-B tokens by true attention score.
@@ -72,7 +77,7 @@ value (refused otherwise). Not in the default grid.
 
 Kept tokens per KV head after prefill (the memory a method frees): P for
 ``rocketkv`` and its ablations with eviction (1,432 of 8,192 at B = 256),
-B for ``snapkv``, the whole prompt for ``quest``, ``oracle``,
+B for ``snapkv``, ``streaming`` and ``h2o``, the whole prompt for ``quest``, ``oracle``,
 ``rocketkv_stage2_only`` and ``dense``.
 
 A method whose settings the backend refuses (or whose engine fails to start)
@@ -166,10 +171,13 @@ ABLATIONS = (
     "rocketkv_stage2_only",
 )
 REUSE_METHODS = {"rocketkv_reuse2": 2, "rocketkv_reuse4": 4}
+# Stage 1 baselines (docs/keep-rules.md): ``snapkv``'s settings with another keep rule.
+KEEP_RULE_METHODS = {"streaming": "streaming", "h2o": "h2o"}
 METHODS = (
     ("dense", "snapkv", "quest", "oracle", "rocketkv", "rocketkv_fp8kt")
     + ABLATIONS
     + tuple(REUSE_METHODS)
+    + tuple(KEEP_RULE_METHODS)
 )
 DEFAULT_METHODS = METHODS[:5]  # the fp8-KT variant and the ablations on request (--methods)
 # The KV block size the ablations' split assumes: it only caps the page size
@@ -317,15 +325,18 @@ def method_settings(
     if method in REUSE_METHODS:
         every = REUSE_METHODS[method]
         return {"token_budget": b, "max_new_tokens": max_tokens, "reselect_every": every}
-    if method == "snapkv":
+    if method == "snapkv" or method in KEEP_RULE_METHODS:
         # The kept part and the tail may each end in a partial page: two
         # pages of slack make the selection cover the whole view.
-        return {
+        settings = {
             "prompt_budget": b,
             "page_size": 4,
             "topk": -(-(b + max_tokens) // 4) * 4 + 8,
             "force_current_page": False,
         }
+        if method in KEEP_RULE_METHODS:
+            settings["keep_rule"] = KEEP_RULE_METHODS[method]
+        return settings
     if method == "quest":
         return {"evict": False, "page_size": 16, "topk": b, "force_current_page": True}
     if method == "oracle":

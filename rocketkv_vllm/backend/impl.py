@@ -3,9 +3,10 @@ Stage 1 and Stage 2 for the rows the metadata names.
 
 Dense work (the KV write, every prompt token, uncompressed decodes) runs in
 vLLM's native attention impl on the same KV cache with its own metadata.
-Then, per layer: the observation-window queries of prompt chunks are kept,
-Stage 1 compacts each prompt that ended in this step, and Stage 2 replaces
-the output of every decode token of a compressed request.
+Then, per layer: the observation-window queries of prompt chunks are kept
+(keep_rule h2o: their attention scores accumulate instead), Stage 1
+compacts each prompt that ended in this step, and Stage 2 replaces the
+output of every decode token of a compressed request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vllm.logger import init_logger
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from rocketkv_vllm.backend.graphs import selection_width
+from rocketkv_vllm.backend.h2o import H2OScores
 from rocketkv_vllm.backend.metadata import PromptChunkRow, RocketKVMetadata
 from rocketkv_vllm.backend.native import NativeQuery, native_for_config
 from rocketkv_vllm.backend.stages import stage1_for, stage2_for
@@ -83,6 +85,13 @@ class RocketKVImpl(AttentionImpl):
             state.window_queries = WindowQueries(self.settings.window_size)
             state.requests.on_leave.append(state.window_queries.forget)
         self.window_queries = state.window_queries
+        self.h2o_scores: H2OScores | None = None
+        if self.settings.keep_rule == "h2o":
+            if state.h2o_scores is None:
+                state.h2o_scores = H2OScores()
+                state.requests.on_leave.append(state.h2o_scores.forget)
+            self.h2o_scores = state.h2o_scores
+        self.kept_h2o_log = state.kept_h2o_scores if aids.record_kept_positions else None
         # The model's sink logits (a parameter the weight loader fills after
         # this); Stage 1 and 2 read them in fp32, converted once (``_sinks``).
         self.sinks = sinks
@@ -161,6 +170,10 @@ class RocketKVImpl(AttentionImpl):
         quant = kv_quant_for(self.kv_cache_dtype, layer)
         for r in md.window_rows:
             self.window_queries.keep(self, r, query)
+        if md.score_rows:
+            k_cache, _ = split_kv(kv_cache, self.kv_layout, quant)
+            for r in md.score_rows:
+                self.h2o_scores.add(self, r, query, k_cache, self.scale, self._sinks())
         for r in md.stage1_rows:
             self._stage1(r, query, kv_cache, quant)
         for rows in md.recompute:
@@ -173,13 +186,23 @@ class RocketKVImpl(AttentionImpl):
         s, plan = self.settings, r.plan
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
-        window, whole = self.window_queries.take(self, r, query)
-        if not whole:
-            self.counters.stage1_short_windows += 1
-            logger.warning_once(
-                "ROCKETKV: a prompt's earlier observation-window queries were gone at "
-                "its Stage 1; it was scored with its last chunk's window queries only"
-            )
+        window = scores = None
+        if s.keep_rule == "snapkv":
+            window, whole = self.window_queries.take(self, r, query)
+            if not whole:
+                self.counters.stage1_short_windows += 1
+                logger.warning_once(
+                    "ROCKETKV: a prompt's earlier observation-window queries were gone at "
+                    "its Stage 1; it was scored with its last chunk's window queries only"
+                )
+        elif s.keep_rule == "h2o" and plan.prompt_budget < plan.num_prompt_tokens:
+            scores, whole = self.h2o_scores.take(self, r, query, k_cache, self.scale, self._sinks())
+            if not whole:
+                self.counters.stage1_partial_h2o_scores += 1
+                logger.warning_once(
+                    "ROCKETKV: a prompt's H2O scores missed some of its prefill chunks "
+                    "at its Stage 1; it kept by the chunks they hold"
+                )
         with self.counters.stage1_timer(query.device):
             kept = self.stage1.compress(
                 k_cache,
@@ -194,9 +217,14 @@ class RocketKVImpl(AttentionImpl):
                 s.page_size,
                 self.scale,
                 sinks=self._sinks(),
+                keep_rule=s.keep_rule,
+                h2o_scores=scores,
+                window_size=s.window_size,
             )
         if self.kept_log is not None:
             self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
+            if scores is not None:
+                self.kept_h2o_log.append(scores.cpu())
         if self.poison_evicted_blocks:
             self._poison_evicted(kv_cache, r.block_row, plan, quant)
 

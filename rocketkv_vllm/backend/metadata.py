@@ -4,7 +4,8 @@ A step's metadata is the native backend's metadata for the whole batch plus
 what ROCKETKV adds for the rows of compressed requests:
 
 - window rows: prompt chunks holding observation-window queries (kept for
-  the chunk with the prompt's end);
+  the chunk with the prompt's end; keep_rule snapkv only); score rows: every
+  earlier prompt chunk (keep_rule h2o: its scores accumulate, ``backend.h2o``);
 - Stage 1 rows: the chunk holding a compressed prompt's last token;
 - Stage 2 rows: decode tokens (``decode``), and tokens after a prompt's end
   inside a multi-token chunk (``recompute``: output recomputed after a
@@ -63,6 +64,8 @@ class RocketKVMetadata:
     native: object  # the native backend's metadata for the whole batch
     num_actual_tokens: int
     window_rows: list[PromptChunkRow] = field(default_factory=list)
+    # keep_rule h2o: every prompt chunk before the last (``backend.h2o``)
+    score_rows: list[PromptChunkRow] = field(default_factory=list)
     stage1_rows: list[PromptChunkRow] = field(default_factory=list)
     # Tokens after a prompt's end inside a multi-token chunk, in order.
     recompute: list[HsaRows] = field(default_factory=list)
@@ -71,7 +74,11 @@ class RocketKVMetadata:
     @property
     def adds_work(self) -> bool:
         return bool(
-            self.window_rows or self.stage1_rows or self.recompute or self.decode is not None
+            self.window_rows
+            or self.score_rows
+            or self.stage1_rows
+            or self.recompute
+            or self.decode is not None
         )
 
 
@@ -269,7 +276,7 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
     def _prompt_rows(self, md: RocketKVMetadata, cm: CommonAttentionMetadata, step: _Step) -> None:
         """Window and Stage 1 rows of prompt chunks, and one Stage 2 row per
         token after a prompt's end in a multi-token chunk."""
-        w = self.settings.window_size
+        w, rule = self.settings.window_size, self.settings.keep_rule
         block_table = cm.block_table_tensor
         counters = self.state.counters
         for i in np.flatnonzero(step.compress & ~step.decode).tolist():
@@ -281,7 +288,10 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
                     q_start, q_end, context_len, block_table[i], plan, self._window_key(cm, i)
                 )
                 if step.seq_lens[i] < n:
-                    if step.seq_lens[i] > n - w:
+                    if rule == "h2o":  # every prompt query scores (when it evicts)
+                        if plan.prompt_budget < n:
+                            md.score_rows.append(row)
+                    elif rule == "snapkv" and step.seq_lens[i] > n - w:
                         md.window_rows.append(row)
                     continue
                 md.stage1_rows.append(row)

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rocketkv_vllm.algorithm.h2o import h2o_keep_positions
 from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
+from rocketkv_vllm.algorithm.streaming import streaming_keep_positions
 from rocketkv_vllm.fp8_kv import KVQuant
 from rocketkv_vllm.layout import kt_cache_view
 
@@ -28,11 +30,12 @@ if TYPE_CHECKING:
 
 
 class Stage1:
-    """SnapKV compaction of one prompt on the paged cache: window scores,
+    """Stage 1 compaction of one prompt on the paged cache: window scores,
     kept positions, the per-head compaction, the KT pages of the view. The
     three steps are an implementation's (its module's functions of the same
     names); the choice of kept positions is the algorithm's own
-    (``algorithm.snapkv``)."""
+    (``algorithm.snapkv``, or a baseline's: ``algorithm.streaming``,
+    ``algorithm.h2o``)."""
 
     name = ""
 
@@ -51,7 +54,7 @@ class Stage1:
         v_cache: torch.Tensor,
         kt_cache: torch.Tensor,
         block_row: torch.Tensor,
-        q_window: torch.Tensor,
+        q_window: torch.Tensor | None,
         num_prompt_tokens: int,
         prompt_budget: int,
         tail_start: int,
@@ -59,6 +62,9 @@ class Stage1:
         page_size: int,
         scale: float,
         sinks: torch.Tensor | None = None,
+        keep_rule: str = "snapkv",
+        h2o_scores: torch.Tensor | None = None,
+        window_size: int | None = None,
     ) -> torch.Tensor:
         """Choose, compact, build KT for one request (its oracle:
         ``tests/reference/paged.snapkv_compress``, same arguments; sinks: the layer's [Hq]
@@ -66,19 +72,39 @@ class Stage1:
         positions [Hkv, prompt_budget]; with prompt_budget >= the prompt
         every position is kept and only the KT pages are written. Ties among
         pooled scores may be broken differently by the Triton kernels than by
-        torch's CPU topk, so kept sets can differ on plateaus."""
+        torch's CPU topk, so kept sets can differ on plateaus.
+
+        keep_rule (``rocketkv.keep_rule``, docs/keep-rules.md) swaps only the
+        choice: ``"snapkv"`` scores the prompt with ``q_window``;
+        ``"streaming"`` needs no scores (``q_window`` may be None);
+        ``"h2o"`` takes the request's accumulated ``h2o_scores`` [Hkv, >= N]
+        (``backend.h2o``). Without ``q_window``, ``window_size`` is the
+        observation window the choice protects (the last tokens, always kept)."""
         n = int(num_prompt_tokens)
         if prompt_budget >= n:  # rocketkv.evict=false: identity, KT pages only
             self.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
             return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-        scores = self.window_scores(q_window, k_cache, block_row, n, scale, sinks=sinks)
-        kept = keep_positions_from_scores(
-            scores,
-            n,
-            prompt_budget,
-            kernel_size,
-            protect_from=min(n - q_window.shape[0], tail_start),
-        )
+        window = q_window.shape[0] if q_window is not None else int(window_size)
+        protect_from = min(n - window, tail_start)
+        if keep_rule == "snapkv":
+            scores = self.window_scores(q_window, k_cache, block_row, n, scale, sinks=sinks)
+            kept = keep_positions_from_scores(
+                scores, n, prompt_budget, kernel_size, protect_from=protect_from
+            )
+        elif keep_rule == "streaming":
+            kept = streaming_keep_positions(
+                n,
+                k_cache.shape[1],
+                prompt_budget,
+                protect_from=protect_from,
+                device=k_cache.device,
+            ).contiguous()
+        elif keep_rule == "h2o":
+            kept = h2o_keep_positions(
+                h2o_scores[:, :n], prompt_budget, recent=window, protect_from=protect_from
+            )
+        else:
+            raise ValueError(f"unknown keep rule {keep_rule!r}")
         num_compact = prompt_budget - (n - tail_start)
         self.compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
         self.write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
