@@ -81,11 +81,10 @@ def _preempt_request(original):
     def _preempt_request(self, request, timestamp, drop_stale_output=False):
         from rocketkv_vllm.kv_cache import blocks_never_computed, rocketkv_manager
 
-        if rocketkv_manager(self.kv_cache_manager) is None:
-            return original(self, request, timestamp, drop_stale_output)
-        stale = blocks_never_computed(self.kv_cache_manager, request)
-        # Out of the prefix cache before the free puts them back in the pool.
-        self.kv_cache_manager.block_pool.evict_blocks(stale)
+        if rocketkv_manager(self.kv_cache_manager) is not None:
+            stale = blocks_never_computed(self.kv_cache_manager, request)
+            # Out of the prefix cache before the free puts them back in the pool.
+            self.kv_cache_manager.block_pool.evict_blocks(stale)
         return original(self, request, timestamp, drop_stale_output)
 
     return _preempt_request
