@@ -173,9 +173,15 @@ def _rename(monkeypatch, entry) -> None:
             monkeypatch.delitem(annotations, entry.name)
     source = check._methods_source
     pattern = re.compile(rf"\bself\.{re.escape(entry.name)}\b")
-    monkeypatch.setattr(
-        check, "_methods_source", lambda klass: pattern.sub(f"self.{new}", source(klass))
-    )
+    renamed_in = set(owner.__mro__)
+
+    def methods_source(klass):
+        # Only the owner and its bases rename: another class with an attribute
+        # of the same name (LLMEngine's and AsyncLLM's output_processor) keeps it.
+        text = source(klass)
+        return pattern.sub(f"self.{new}", text) if klass in renamed_in else text
+
+    monkeypatch.setattr(check, "_methods_source", methods_source)
 
 
 def _seed() -> int:
@@ -229,6 +235,29 @@ def test_a_renamed_relied_on_name_refuses_rocketkv_engines_naming_exactly_it(mon
     assert f"vLLM {vllm.__version__}" in str(err.value)
     assert f"({entry.target}: " in str(err.value)
     assert set(check._failures) == expected
+
+
+def test_every_relied_on_name_renamed_alone_is_found_alone():
+    """The random pick above, over every entry at once: the check names exactly
+    the renamed entry (and the methods calling it), never a neighbour that
+    shares its name on another class."""
+    from vllm.platforms import current_platform
+
+    wrong = {}
+    for entry in vllm_patches.RELIED_ON:
+        if entry.kind == "swap" or entry.name == "_member_map_":
+            continue
+        if entry.platform == "cpu" and not current_platform.is_cpu():
+            continue
+        expected = {entry.target} | {
+            e.target for e in vllm_patches.RELIED_ON if e.caller == entry.target
+        }
+        with pytest.MonkeyPatch.context() as mp:
+            _mutate(mp, entry)
+            found = set(vllm_patches.relied_problems())
+        if found != expected:
+            wrong[entry.target] = sorted(found ^ expected)
+    assert not wrong, wrong
 
 
 def test_a_class_that_no_longer_takes_the_swap_is_refused():

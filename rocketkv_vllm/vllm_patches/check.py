@@ -15,6 +15,7 @@ for.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -62,6 +63,14 @@ def _resolve(module: str, owner: str):
     return getattr(mod, owner) if owner else mod
 
 
+@functools.cache
+def _function_source(func) -> str:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return ""
+
+
 def _methods_source(klass) -> str:
     """The source of every function defined in ``klass`` itself."""
     parts = []
@@ -69,10 +78,7 @@ def _methods_source(klass) -> str:
         func = getattr(attr, "__func__", attr)
         func = getattr(func, "fget", func)  # a property's getter
         if isinstance(func, types.FunctionType):
-            try:
-                parts.append(inspect.getsource(func))
-            except (OSError, TypeError):
-                pass
+            parts.append(_function_source(func))
     return "\n".join(parts)
 
 
