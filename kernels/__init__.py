@@ -8,7 +8,8 @@ One concern per module, each a kernel or two plus its launcher:
                        the K/V store), batched;
 * ``rows``          -- the decode rows as the kernels read them: view
                        geometry, selection size, selection-store slot
-                       (shared by the three decode kernels);
+                       (shared by the three decode kernels), and
+                       ``DecodeRows``, the rows the launchers take whole;
 * ``hsa_score``     -- HSA page scoring (logits, softmax partials; KT
                        update fused), batched, and the plan of the
                        scoring + selection pair;

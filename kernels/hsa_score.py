@@ -69,6 +69,7 @@ from rocketkv_vllm.kernels.kt_fp8 import kt_row_width, load_kt_fp8_bounds
 from rocketkv_vllm.kernels.kt_update import refresh_kt_row
 from rocketkv_vllm.kernels.rows import (
     STAGE2_UNSPECIALIZED,
+    DecodeRows,
     selection_size,
     split_range,
     store_reuse,
@@ -428,26 +429,21 @@ def launch_score(
     scratch: ScoreScratch,
     query: torch.Tensor,
     kt_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_compact: torch.Tensor,
-    tail_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topr: torch.Tensor,
+    rows: DecodeRows,
     page_size: int,
     k_cache=None,
-    sel_slot: torch.Tensor | None = None,
-    reuse: torch.Tensor | None = None,
     selections: torch.Tensor | None = None,
-    topk: torch.Tensor | None = None,
     force_current_page: bool = False,
 ) -> None:
-    """``_score_kernel``; with ``k_cache`` (a [num_blocks, Hkv, bs, d] view
-    or an ``fp8_kv.Fp8KV``) each row's newest KT page is refreshed first.
-    sel_slot, reuse, selections, topk (all or none: REUSE; force_current_page
-    as ``launch_select``'s): rows reusing their stored selection
+    """``_score_kernel`` over ``rows`` (``rows.flat()`` vectors); with
+    ``k_cache`` (a [num_blocks, Hkv, bs, d] view or an ``fp8_kv.Fp8KV``)
+    each row's newest KT page is refreshed first. With ``selections``
+    (REUSE: the rows' sel_slot and reuse, force_current_page as
+    ``launch_select``'s) rows reusing their stored selection
     (``launch_select``) score nothing."""
     batch, hq, d = query.shape
     _, hkv, pages_per_block, width = kt_cache.shape
+    block_table = rows.block_table
     assert width == kt_row_width(kt_cache, d) and hq % hkv == 0
     assert kt_cache.stride(-1) == 1 and block_table.stride(-1) == 1
     assert query.stride(-1) == 1
@@ -460,15 +456,13 @@ def launch_score(
         k_strides = cache_strides(k_cache)
     else:
         k_cache, fp8, k_scale, k_strides = kt_cache, 0, 1.0, (0, 0, 0, 0)
-    reuse_on = reuse is not None
-    assert reuse_on == (sel_slot is not None) == (selections is not None) == (topk is not None)
+    store_width = rows.store_width(selections, hkv)
+    reuse_on = selections is not None
+    topr = rows.topr
     if reuse_on:
-        assert selections.dtype == torch.int32 and selections.is_contiguous()
-        assert selections.dim() == 3 and selections.shape[1] == hkv
-        store_width = selections.shape[2]
+        sel_slot, reuse, topk = rows.sel_slot, rows.reuse, rows.topk
     else:  # not read
         sel_slot = reuse = topk = selections = topr
-        store_width = 0
     half = _half_type(kt_cache)
     pdl = uses_pdl(query.device)
     # 4 warps up to d 128: more programs resident per SM than with 8 (sm_90,
@@ -478,9 +472,9 @@ def launch_score(
         query,
         kt_cache,
         block_table,
-        num_compact,
-        tail_start,
-        seq_lens,
+        rows.num_compact,
+        rows.tail_start,
+        rows.seq_lens,
         topr,
         scratch.logits,
         scratch.part_m,

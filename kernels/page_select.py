@@ -47,7 +47,6 @@ from rocketkv_vllm.kernels._utils import (
     group_pad,
     next_pow2,
     num_sms,
-    row_vectors,
     uses_pdl,
 )
 from rocketkv_vllm.kernels.hsa_score import (
@@ -60,6 +59,7 @@ from rocketkv_vllm.kernels.hsa_score import (
     plan_score,
 )
 from rocketkv_vllm.kernels.rows import (
+    DecodeRows,
     copy_pages,
     selection_size,
     split_range,
@@ -432,25 +432,21 @@ def launch_select(
     plan: ScorePlan,
     scratch: ScoreScratch,
     num_q_heads: int,
-    num_compact: torch.Tensor,
-    tail_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: torch.Tensor,
+    rows: DecodeRows,
     page_size: int,
     force_current_page: bool,
     select: bool = True,
     write_probs: bool = False,
     from_probs: bool = False,
     selections: torch.Tensor | None = None,
-    sel_slot: torch.Tensor | None = None,
-    reuse: torch.Tensor | None = None,
 ) -> None:
-    """``_select_kernel``: probabilities (written with write_probs) and / or
-    the selection into scratch.sel (select). selections: the selection store
-    int32 [S, Hkv, W] contiguous, with sel_slot, reuse [B] int32 (REUSE):
-    rows with reuse set and a slot take their n_use pages from
-    selections[slot, h, :n_use], others with a slot store theirs there (if
-    n_use <= W); selection only (no probabilities)."""
+    """``_select_kernel`` over ``rows`` (``rows.flat()`` vectors; their
+    block_table and topr are not read): probabilities (written with
+    write_probs) and / or the selection into scratch.sel (select).
+    selections: the selection store int32 [S, Hkv, W] contiguous, with the
+    rows' sel_slot, reuse (REUSE): rows with reuse set and a slot take their
+    n_use pages from selections[slot, h, :n_use], others with a slot store
+    theirs there (if n_use <= W); selection only (no probabilities)."""
     hkv = plan.num_kv_heads
     group = num_q_heads // hkv
     g2 = max(2, next_pow2(group))
@@ -460,16 +456,13 @@ def launch_select(
         probs = scratch.logits  # unused
     else:
         assert probs.is_contiguous() and probs.numel() >= plan.batch * hkv * plan.max_pages
+    store_width = rows.store_width(selections, hkv)
     reuse_on = selections is not None
     if reuse_on:
-        assert sel_slot is not None and reuse is not None
         assert select and not (write_probs or from_probs)
-        assert selections.dtype == torch.int32 and selections.is_contiguous()
-        assert selections.dim() == 3 and selections.shape[1] == hkv
-        store_width = selections.shape[2]
+        sel_slot, reuse = rows.sel_slot, rows.reuse
     else:  # not read
         selections = sel_slot = reuse = scratch.sel
-        store_width = 0
     pdl = uses_pdl(scratch.logits.device)
     _select_kernel[plan.grid](
         scratch.logits,
@@ -480,10 +473,10 @@ def launch_select(
         scratch.cand_pages,
         scratch.counters,
         scratch.sel,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topk,
+        rows.num_compact,
+        rows.tail_start,
+        rows.seq_lens,
+        rows.topk,
         selections,
         sel_slot,
         reuse,
@@ -542,7 +535,6 @@ def hsa_page_probs(
     hkv = kt_cache.shape[1]
     if query.stride(-1) != 1:
         query = query.contiguous()
-    num_compact, tail_start, seq_lens, topr = row_vectors(num_compact, tail_start, seq_lens, topr)
     plan = plan_score(batch, hkv, max_pages, 1, False, num_sms(query.device), chunk)
     probs = (
         out
@@ -554,30 +546,13 @@ def hsa_page_probs(
         return probs
     scratch = ScoreScratch.alloc(plan, hq, query.device)
     scratch.probs = probs
-    launch_score(
-        plan,
-        scratch,
-        query,
-        kt_cache,
-        block_table,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topr,
-        page_size,
-    )
+    # topk: unused without the selection
+    rows = DecodeRows(
+        block_table, num_compact, tail_start, seq_lens, seq_lens, topr, max_pages, 1
+    ).flat()
+    launch_score(plan, scratch, query, kt_cache, rows, page_size)
     launch_select(
-        plan,
-        scratch,
-        hq,
-        num_compact,
-        tail_start,
-        seq_lens,
-        seq_lens,  # topk: unused without the selection
-        page_size,
-        force_current_page,
-        select=False,
-        write_probs=True,
+        plan, scratch, hq, rows, page_size, force_current_page, select=False, write_probs=True
     )
     return probs
 
@@ -623,22 +598,13 @@ def select_pages(
     assert impl == "triton" and have_rows and page_size is not None
     assert probs.is_contiguous() and probs.dtype == torch.float32
     batch, hkv, _ = probs.shape
-    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start, seq_lens, topk)
     plan = plan_score(batch, hkv, max_pages, max_select, force_current_page, num_sms(probs.device))
     if batch == 0:
         return torch.empty(batch, hkv, plan.n_sel, device=probs.device, dtype=torch.int32)
     scratch = ScoreScratch.alloc(plan, hkv, probs.device, logits=False)
     scratch.probs = probs
-    launch_select(
-        plan,
-        scratch,
-        hkv,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topk,
-        page_size,
-        force_current_page,
-        from_probs=True,
-    )
+    # block_table and topr: not read by the selection (an empty table, topk)
+    table = torch.empty(batch, 0, dtype=torch.int32, device=probs.device)
+    rows = DecodeRows(table, num_compact, tail_start, seq_lens, topk, topk, max_pages, max_select)
+    launch_select(plan, scratch, hkv, rows.flat(), page_size, force_current_page, from_probs=True)
     return scratch.sel

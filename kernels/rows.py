@@ -21,8 +21,91 @@ selects anew instead, as ``ops.cpu`` and ``ops.pytorch`` do).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+
+from rocketkv_vllm.kernels._utils import row_vectors
+
+
+@dataclass
+class DecodeRows:
+    """A decode step's rows as the launchers take them, whole: one bundle
+    from the builder (``ops.base.HsaRows``) to every Stage 2 implementation
+    and launcher, so a new per-row column is one field here (and its
+    producer and readers), not a parameter threaded through each signature.
+    The jit kernels still take the columns flat (unpacked at the launch).
+
+    Columns: [B] integer device vectors (int32 from the builder), B the rows.
+    max_pages >= every row's view page count, max_select >= every row's
+    max(topk // ps, 1) (Python ints: they size grids and buffers).
+    sel_slot, reuse: each row's selection-store slot (-1: none) and reuse
+    flag (nonzero: attend the stored pages); read only with a store."""
+
+    block_table: torch.Tensor  # [B, max_blocks] int32, last dim contiguous
+    num_compact: torch.Tensor
+    tail_start: torch.Tensor
+    seq_lens: torch.Tensor  # including the row's token; <= 0: padding
+    topk: torch.Tensor
+    topr: torch.Tensor
+    max_pages: int
+    max_select: int
+    sel_slot: torch.Tensor | None = None
+    reuse: torch.Tensor | None = None
+
+    def slice(self, a: int, b: int) -> DecodeRows:
+        """Rows [a, b), same bounds."""
+
+        def part(t):
+            return None if t is None else t[a:b]
+
+        return DecodeRows(
+            **{f.name: part(getattr(self, f.name)) for f in _COLUMNS},
+            max_pages=self.max_pages,
+            max_select=self.max_select,
+        )
+
+    def flat(self) -> DecodeRows:
+        """Every [B] column as a contiguous 1-D vector (kernels read element
+        b at ptr + b): no copy for the builder's int32 vectors."""
+        given = {n: t for n in _VECTORS if (t := getattr(self, n)) is not None}
+        if all(t.dim() == 1 and t.stride(0) == 1 for t in given.values()):
+            return self  # the usual case: nothing new per launch
+        return dataclasses.replace(self, **dict(zip(given, row_vectors(*given.values()))))
+
+    def store_columns(self, selections: torch.Tensor | None):
+        """(sel_slot, reuse) read with a selection store; (None, None)
+        without one (the rows' slots then mean nothing)."""
+        if selections is None:
+            return None, None
+        if self.sel_slot is None or self.reuse is None:
+            raise ValueError("a selection store needs the rows' sel_slot and reuse")
+        return self.sel_slot, self.reuse
+
+    def store_width(self, selections: torch.Tensor | None, num_kv_heads: int) -> int:
+        """W of a selection store [S, Hkv, W] the kernels read with these
+        rows (0: none), checked: int32, contiguous, the slots given."""
+        self.store_columns(selections)
+        if selections is None:
+            return 0
+        if (
+            selections.dtype != torch.int32
+            or not selections.is_contiguous()
+            or selections.dim() != 3
+            or selections.shape[1] != num_kv_heads
+        ):
+            raise ValueError(
+                f"selections must be a contiguous int32 [S, Hkv={num_kv_heads}, W], got "
+                f"{selections.dtype} {tuple(selections.shape)}"
+            )
+        return selections.shape[2]
+
+
+_COLUMNS = [f for f in dataclasses.fields(DecodeRows) if f.name not in ("max_pages", "max_select")]
+_VECTORS = [f.name for f in _COLUMNS if f.name != "block_table"]
 
 # Store entries a reuse check reads at once (n_use is a few dozen to a few hundred).
 STORE_CHUNK = tl.constexpr(128)

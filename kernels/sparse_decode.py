@@ -56,10 +56,14 @@ from rocketkv_vllm.kernels._utils import (
     mma,
     next_pow2,
     num_sms,
-    row_vectors,
     uses_pdl,
 )
-from rocketkv_vllm.kernels.rows import STAGE2_UNSPECIALIZED, selection_size, view_pages
+from rocketkv_vllm.kernels.rows import (
+    STAGE2_UNSPECIALIZED,
+    DecodeRows,
+    selection_size,
+    view_pages,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -536,12 +540,8 @@ def sparse_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    rows: DecodeRows,
     sel: torch.Tensor,
-    num_compact: torch.Tensor,
-    tail_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: torch.Tensor,
     page_size: int,
     scale: float,
     out: torch.Tensor | None = None,
@@ -556,8 +556,8 @@ def sparse_decode(
 
     sel [B, Hkv, n_sel] integer page indices of the row's view (row b uses
     its first min(max(topk[b] // page_size, 1) + extra_pages, P[b], n_sel));
-    per-row
-    scalars are device integer tensors [B]; block_table [B, max_blocks].
+    rows: the decode rows (their block table and view columns; topr, the
+    bounds and the store columns are not read).
     k_cache, v_cache: [num_blocks, Hkv, bs, d] views (all strides arbitrary),
     or ``fp8_kv.Fp8KV`` views of an fp8 cache (dequantized on load; the
     query's dtype computes).
@@ -573,6 +573,7 @@ def sparse_decode(
     query, out, sinks, hkv, bs, d, group = _prepare(query, k_cache, v_cache, out, sinks, fp8)
     dtype = query.dtype  # what the dots run in: the cache's, or the query's (fp8)
     batch = query.shape[0]
+    block_table = rows.block_table
     assert sel.shape[:2] == (batch, hkv) and sel.stride(-1) == 1
     assert block_table.stride(-1) == 1 and bs % page_size == 0
     if batch == 0:
@@ -580,7 +581,7 @@ def sparse_decode(
     if not sel.is_contiguous():
         sel = sel.contiguous()
     num_sel = sel.shape[2]
-    num_compact, tail_start, seq_lens, topk = row_vectors(num_compact, tail_start, seq_lens, topk)
+    rows = rows.flat()
     if plan is None:
         plan = plan_attention(
             batch, hkv, num_sel, page_size, dtype, num_sms(query.device), num_splits, tile_tokens
@@ -597,10 +598,10 @@ def sparse_decode(
         v_cache,
         block_table,
         sel,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topk,
+        rows.num_compact,
+        rows.tail_start,
+        rows.seq_lens,
+        rows.topk,
         scratch.o_part,
         scratch.lse_part,
         scratch.counters,

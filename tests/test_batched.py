@@ -5,6 +5,7 @@ import pytest
 import torch
 from reference import paged
 
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
 from rocketkv_vllm.ops import pytorch as torch_ops
 from rocketkv_vllm.plan import RequestPlan
@@ -88,21 +89,11 @@ def test_batched_decode_matches_oracle(layout, hkv, g, d, bs, ps, force, kt_dtyp
         ts = torch.tensor([p.tail_start for p, _, _ in plans])
         max_pages = int(((nc + ps - 1) // ps + (seq - ts + ps - 1) // ps).max()) + 3
         pages = torch_ops.view_pages(block_table, nc, ts, seq, ps, bs, max_pages)
-        got = torch_ops.hsa_decode(
-            q,
-            k,
-            v,
-            kt,
-            block_table,
-            seq,
-            pages,
-            torch.tensor([r for _, _, r in plans]),
-            num_select,
-            int(num_select.max()),
-            ps,
-            d**-0.5,
-            force,
+        topr = torch.tensor([r for _, _, r in plans])
+        dr = DecodeRows(
+            block_table, nc, ts, seq, num_select * ps, topr, max_pages, int(num_select.max())
         )
+        got = torch_ops.hsa_decode(q, k, v, kt, dr, pages, num_select, ps, d**-0.5, force)
         for b, (plan, topk, topr) in enumerate(plans):
             ref = paged.hsa_decode(
                 q[b],

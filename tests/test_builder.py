@@ -139,19 +139,19 @@ def test_v2_prompt_lengths_come_from_the_slots(builder):
     assert plan.compress and not plan_request(s, 100).compress
     assert md.decode is not None
     assert md.decode.tokens.tolist() == [0]
-    assert md.decode.seq_lens.tolist() == [3001]
-    assert md.decode.num_compact.tolist() == [plan.num_compact]
-    assert md.decode.tail_start.tolist() == [plan.tail_start]
-    assert md.decode.topk.tolist() == [plan.topk]
-    assert md.decode.topr.tolist() == [plan.topr]
-    assert torch.equal(md.decode.block_table, table[[0]])
+    assert md.decode.decode_rows.seq_lens.tolist() == [3001]
+    assert md.decode.decode_rows.num_compact.tolist() == [plan.num_compact]
+    assert md.decode.decode_rows.tail_start.tolist() == [plan.tail_start]
+    assert md.decode.decode_rows.topk.tolist() == [plan.topk]
+    assert md.decode.decode_rows.topr.tolist() == [plan.topr]
+    assert torch.equal(md.decode.decode_rows.block_table, table[[0]])
     assert not md.stage1_rows and not md.window_rows
 
     # Step 2: same requests, no new one.
     md = builder.build(
         0, _cm(builder, [(3001, 1, 0), (120, 1, 0), (512, 512, 0)], table, req_idx=[5, 2, 7])
     )
-    assert md.decode.seq_lens.tolist() == [3002]
+    assert md.decode.decode_rows.seq_lens.tolist() == [3002]
 
     # Step 3: the long prompt's last chunk (Stage 1 and its window), and
     # slot 5 reused by a new short request whose first chunk starts after a
@@ -182,7 +182,7 @@ def test_v1_prompt_lengths_on_the_host(builder):
     # preemption): one Stage 2 row each, in order, growing seq_len.
     assert plan.compress
     assert [r.tokens.tolist() for r in md.recompute] == [[1], [2], [3]]
-    assert [r.seq_lens.tolist() for r in md.recompute] == [[701], [702], [703]]
+    assert [r.decode_rows.seq_lens.tolist() for r in md.recompute] == [[701], [702], [703]]
     assert md.decode.tokens.tolist() == [0]
 
 
@@ -308,10 +308,10 @@ def test_rows_follow_their_requests_budgets(builder, runner):
     assert not plans[0].compress
     assert plans[1].topk > plans[2].topk and plans[1].num_compact > plans[2].num_compact
     assert md.decode.tokens.tolist() == [1, 2, 3]
-    assert md.decode.topk.tolist() == [p.topk for p in plans[1:]]
-    assert md.decode.num_compact.tolist() == [p.num_compact for p in plans[1:]]
-    assert md.decode.topr.tolist() == [p.topr for p in plans[1:]]
-    assert md.decode.max_select >= max(p.topk // s.page_size for p in plans[1:])
+    assert md.decode.decode_rows.topk.tolist() == [p.topk for p in plans[1:]]
+    assert md.decode.decode_rows.num_compact.tolist() == [p.num_compact for p in plans[1:]]
+    assert md.decode.decode_rows.topr.tolist() == [p.topr for p in plans[1:]]
+    assert md.decode.decode_rows.max_select >= max(p.topk // s.page_size for p in plans[1:])
 
 
 class _EngineConfig:
@@ -447,18 +447,8 @@ def graph_builder(model_path):
 
 
 def _graph_tensors(rows):
-    return {
-        name: getattr(rows, name)
-        for name in (
-            "tokens",
-            "block_table",
-            "num_compact",
-            "tail_start",
-            "seq_lens",
-            "topk",
-            "topr",
-        )
-    }
+    columns = ("block_table", "num_compact", "tail_start", "seq_lens", "topk", "topr")
+    return {"tokens": rows.tokens} | {n: getattr(rows.decode_rows, n) for n in columns}
 
 
 def test_graph_step_replays_its_capture(graph_builder):
@@ -475,8 +465,8 @@ def test_graph_step_replays_its_capture(graph_builder):
     table = torch.zeros(4, 512, dtype=torch.int32)
     capture = b.build(0, _cm(b, [(5, 1, 0)] * 4, table, runner="dummy"))
     assert b.graph is not None and capture.decode is not None
-    assert capture.decode.in_place and capture.decode.seq_lens.tolist() == [0] * 4
-    assert capture.decode.max_pages == b.graph.max_pages
+    assert capture.decode.in_place and capture.decode.decode_rows.seq_lens.tolist() == [0] * 4
+    assert capture.decode.decode_rows.max_pages == b.graph.max_pages
     assert b.graph.max_pages == -(-4096 // s.page_size) + 1
     assert b.graph.max_select == max(256 // 2 // s.page_size, 1)
 
@@ -489,7 +479,7 @@ def test_graph_step_replays_its_capture(graph_builder):
     cm.seq_lens_cpu_upper_bound[3] = 0
     step = b.build(0, cm)
     assert step.decode.in_place
-    assert step.decode.seq_lens.tolist() == [1801, 0, 701, 0]
+    assert step.decode.decode_rows.seq_lens.tolist() == [1801, 0, 701, 0]
     for name, t in _graph_tensors(step.decode).items():
         assert t.data_ptr() == _graph_tensors(capture.decode)[name].data_ptr(), name
     assert b.graph_buffers.native_seq_lens[:4].tolist() == [1, 91, 1, 0]
@@ -504,16 +494,9 @@ def test_graph_step_replays_its_capture(graph_builder):
         k,
         v,
         kt,
-        rows.block_table,
-        rows.num_compact,
-        rows.tail_start,
-        rows.seq_lens,
-        rows.topk,
-        rows.topr,
+        rows.decode_rows,
         s.page_size,
         D**-0.5,
-        rows.max_pages,
-        rows.max_select,
         s.force_current_page,
         out=out,
     )
@@ -540,7 +523,10 @@ def test_graph_layout_leaves_prompt_steps_and_large_selections_eager(graph_build
     _v2_new_requests(b, [(1, 3000), (2, 3000)], [big, None])
     md = b.build(0, _cm(b, [(3000, 1, 3000), (3000, 1, 3000)], table, req_idx=[1, 2]))
     assert not md.decode.in_place
-    assert md.decode.topk.tolist() == [plan_request(s, 3000, big).topk, plan_request(s, 3000).topk]
+    assert md.decode.decode_rows.topk.tolist() == [
+        plan_request(s, 3000, big).topk,
+        plan_request(s, 3000).topk,
+    ]
     assert guard.needs_eager(np.array([False, False]), [big, None])
     assert not guard.needs_eager(np.array([False, False]), [256, 0, None])
     _v2_new_requests(b, [(1, 3000), (2, 3000)])
@@ -666,7 +652,7 @@ def test_eager_triton_stage2_runs_large_batches_in_row_chunks(model_path, monkey
     kt_before = kt.clone()
     whole = b.stage2.decode(query, kv, md.decode, D**-0.5)
     kt.copy_(kt_before)  # the KT update of the newest tokens runs again
-    per_row = base.scratch_bytes_per_row(HKV * G, HKV, md.decode.max_pages)
+    per_row = base.scratch_bytes_per_row(HKV * G, HKV, md.decode.decode_rows.max_pages)
     monkeypatch.setattr(base, "SCRATCH_BYTES", per_row)  # one row a call
     calls = []
     monkeypatch.setattr(
@@ -701,8 +687,8 @@ def test_eager_triton_stage2_launches_at_the_engine_shape_like_the_oracle(model_
         md = b.build(0, _cm(b, [(n, 1, n) for n in prompts.values()], table, req_idx=slots))
         rows = md.decode
         wide = bool(budgets)
-        assert rows.max_pages == shape.max_pages
-        assert rows.max_select == (shape.max_pages if wide else shape.max_select)
+        assert rows.decode_rows.max_pages == shape.max_pages
+        assert rows.decode_rows.max_select == (shape.max_pages if wide else shape.max_select)
         query = torch.randn(len(prompts), HKV * G, D, generator=gen)
         oracle_kt = kt.clone()
         got = b.stage2.decode(query, kv, rows, D**-0.5)
@@ -765,8 +751,8 @@ def test_reused_selection_attends_the_pages_chosen_at_the_last_reselect(reuse_bu
                 _write_token(s, k, v, table, i, n + step, gen)
         cm = _cm(b, [(n + step, 1, n) for n in prompts.values()], table, req_idx=[20, 21])
         rows = b.build(0, cm).decode
-        assert rows.reuse.tolist() == [want_reuse] * 2, step
-        slots = rows.sel_slot.tolist()
+        assert rows.decode_rows.reuse.tolist() == [want_reuse] * 2, step
+        slots = rows.decode_rows.sel_slot.tolist()
         assert len(set(slots)) == 2 and min(slots) >= 0
         query = torch.randn(2, HKV * G, D, generator=gen)
         got = b.stage2.decode(query, kv, rows, D**-0.5, selections=store)
@@ -805,7 +791,9 @@ def test_reuse_follows_requests_not_rows(reuse_builder):
         q_lens = q_lens or [1] * len(ids)
         rows = [(c, q, n) for c, q in zip(contexts, q_lens)]
         decode = b.build(0, _cm(b, rows, table, runner="v1")).decode
-        return None if decode is None else (decode.sel_slot.tolist(), decode.reuse.tolist())
+        if decode is None:
+            return None
+        return decode.decode_rows.sel_slot.tolist(), decode.decode_rows.reuse.tolist()
 
     try:
         slots, reuse = v1_step(["a", "b"], [n, n])
@@ -823,17 +811,19 @@ def test_reuse_follows_requests_not_rows(reuse_builder):
         requests.row_ids = []
     # V2: a new request in a slot its predecessor left at a continuing length
     _v2_new_requests(b, [(40, n)])
-    assert b.build(0, _cm(b, [(n + 4, 1, n)], table, req_idx=[40])).decode.reuse.tolist() == [0]
+    assert b.build(
+        0, _cm(b, [(n + 4, 1, n)], table, req_idx=[40])
+    ).decode.decode_rows.reuse.tolist() == [0]
     _v2_new_requests(b, [(40, n)])
     for context, reuse in [(n + 5, 0), (n + 6, 0), (n + 7, 1)]:
         rows = b.build(0, _cm(b, [(context, 1, n)], table, req_idx=[40])).decode
-        assert rows.reuse.tolist() == [reuse], context
+        assert rows.decode_rows.reuse.tolist() == [reuse], context
     # a budget selecting more than the store holds: no slot, never reuses
     big = 30 * BS * ps  # a prompt its 2048 budget compresses
     _v2_new_requests(b, [(41, big)], budgets=[2048])
     for context in (big, big + 1):
         rows = b.build(0, _cm(b, [(context, 1, big)], table, req_idx=[41])).decode
-        assert (rows.sel_slot.tolist(), rows.reuse.tolist()) == ([-1], [0])
+        assert (rows.decode_rows.sel_slot.tolist(), rows.decode_rows.reuse.tolist()) == ([-1], [0])
 
 
 def test_selection_slots_go_to_the_request_unused_longest():

@@ -129,7 +129,7 @@ def test_every_kernel_compiles_for_each_target(compiled):
 # reusing slot 0) through the script's own machinery (its stand-in driver and
 # launch shapes); writes the records, errors and the REUSE values compiled.
 REUSE_SCRIPT = """
-import json, sys
+import dataclasses, json, sys
 import torch
 from unittest import mock
 from rocketkv_eval import compile_kernels as ck
@@ -139,14 +139,12 @@ ops = mods["ops"]
 plain = ops.hsa_decode
 
 
-def with_store(query, k_cache, v_cache, kt_cache, *args, **kw):
-    rows, hkv = query.shape[0], kt_cache.shape[1]
-    store = torch.zeros(rows, hkv, 64, dtype=torch.int32)
-    slots = torch.zeros(rows, dtype=torch.int32)
-    return plain(
-        query, k_cache, v_cache, kt_cache, *args, selections=store, sel_slot=slots, reuse=slots,
-        **kw,
-    )
+def with_store(query, k_cache, v_cache, kt_cache, rows, *args, **kw):
+    batch, hkv = query.shape[0], kt_cache.shape[1]
+    store = torch.zeros(batch, hkv, 64, dtype=torch.int32)
+    slots = torch.zeros(batch, dtype=torch.int32)
+    rows = dataclasses.replace(rows, sel_slot=slots, reuse=slots)
+    return plain(query, k_cache, v_cache, kt_cache, rows, *args, selections=store, **kw)
 
 
 configs = ck.CI_SUBSET

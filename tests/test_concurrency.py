@@ -427,21 +427,18 @@ def test_hsa_decode_as_on_a_gpu(
             tensors.update({f"workspace.{k}": v for k, v in vars(ws).items() if torch.is_tensor(v)})
             with as_on_a_gpu(order, tensors, seed=n_sms):
                 for out, reuse in zip(outs, (torch.zeros_like(slots), slots % 2)):
+                    slotted = dict(sel_slot=slots, reuse=reuse.to(torch.int32))
                     triton_ops.hsa_decode(
                         q,
                         c.k,
                         c.v,
                         c.kt,
-                        *args,
-                        max_pages,
-                        max_select,
+                        *tdl._decode_args(args, max_pages, max_select, **slotted),
                         force,
                         out=out,
                         sinks=sink,
                         workspace=ws,
                         selections=store,
-                        sel_slot=slots,
-                        reuse=reuse.to(torch.int32),
                     )
                     assert bool((ws.counters == 0).all()), f"{order}: a merge counter was left set"
         return outs, c, store

@@ -8,6 +8,7 @@ import pytest
 import torch
 from reference import paged
 
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
 from rocketkv_vllm.ops import cpu as cpu_ops
 from rocketkv_vllm.ops import pytorch as torch_ops
@@ -112,6 +113,16 @@ def test_native_stage2_head_sizes_match_oracle(layout, dtype, hkv, g, d, kt_dtyp
     _check_against_batched(layout, dtype, hkv, g, d, 32, 4, d % 64 == 32, kt_dtype, oracle=True)
 
 
+def _native_rows(table, num_compact, tail_start, seq, topr, **slots) -> DecodeRows:
+    """Rows for the native call (it reads no topk nor bounds: placeholders)."""
+    return DecodeRows(table, num_compact, tail_start, seq, topr, topr, 0, 0, **slots)
+
+
+def _split_store(store: dict):
+    """A test's store arguments: (selections, the rows' slot columns)."""
+    return store.get("selections"), {k: store[k] for k in ("sel_slot", "reuse") if k in store}
+
+
 def _one_token_decode(d: int, dtype: torch.dtype, layout: str):
     """Stage 2 for one row of one token, on a cache stored as head rows."""
     storage, block_elems = _cache(1, d, 32, 4, dtype)
@@ -119,9 +130,8 @@ def _one_token_decode(d: int, dtype: torch.dtype, layout: str):
     ones = torch.ones(1, dtype=torch.int32)
     query = torch.zeros(1, 1, d, dtype=dtype)
     block_table = torch.ones(1, 1, dtype=torch.int32)
-    return cpu_ops.hsa_decode(
-        query, kv, kt, layout, block_table, ones * 0, ones * 0, ones, ones, ones, 4, 0.1, False
-    )
+    rows = _native_rows(block_table, ones * 0, ones * 0, ones, ones)
+    return cpu_ops.hsa_decode(query, kv, kt, layout, rows, ones, 4, 0.1, False)
 
 
 def test_amx_layout_needs_head_size_multiple_of_32():
@@ -180,36 +190,11 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
         query = _query(len(seq), hkv, g, d, dtype, gen)
         max_pages = int(((num_compact + ps - 1) // ps + (seq - tail_start + ps - 1) // ps).max())
         view = torch_ops.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
-        want = torch_ops.hsa_decode(
-            query,
-            k,
-            v,
-            kt,
-            table,
-            seq,
-            view,
-            topr,
-            num_select,
-            int(num_select.max()),
-            ps,
-            d**-0.5,
-            force,
-        )
-        got = cpu_ops.hsa_decode(
-            query,
-            kv2,
-            kt2,
-            layout,
-            table,
-            num_compact,
-            tail_start,
-            seq,
-            topr,
-            num_select,
-            ps,
-            d**-0.5,
-            force,
-        )
+        rows = DecodeRows(
+            table, num_compact, tail_start, seq, topr, topr, max_pages, int(num_select.max())
+        )  # (topk: not read by either path)
+        want = torch_ops.hsa_decode(query, k, v, kt, rows, view, num_select, ps, d**-0.5, force)
+        got = cpu_ops.hsa_decode(query, kv2, kt2, layout, rows, num_select, ps, d**-0.5, force)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         torch.testing.assert_close(kt2, kt, rtol=0, atol=0, equal_nan=True)
@@ -236,7 +221,7 @@ def _check_against_batched(layout, dtype, hkv, g, d, bs, ps, force, kt_dtype, or
             torch.testing.assert_close(kt2, kt3, rtol=0, atol=0, equal_nan=True)
 
 
-# ---- the selection store (``Stage2.decode``'s selections, ``HsaRows.reuse``)
+# ---- the selection store (``Stage2.decode``'s selections, ``DecodeRows.reuse``)
 
 _EMPTY = -7  # never a page index: marks store entries no call wrote
 
@@ -279,21 +264,18 @@ class _Setup:
         return torch.minimum(n, self.num_pages(seq))
 
     def native(self, query, seq, kv=None, kt=None, **store):
+        selections, slots = _split_store(store)
         return cpu_ops.hsa_decode(
             query,
             self.kv if kv is None else kv,
             self.kt if kt is None else kt,
             self.layout,
-            self.table,
-            self.num_compact,
-            self.tail_start,
-            seq,
-            self.topr,
+            _native_rows(self.table, self.num_compact, self.tail_start, seq, self.topr, **slots),
             self.num_select,
             self.ps,
             self.d**-0.5,
             self.force,
-            **store,
+            selections=selections,
         )
 
     def torch_step(self, query, seq):
@@ -421,23 +403,26 @@ def test_native_stage2_padding_rows_leave_the_store_alone():
     padded = torch.zeros(5, dtype=torch.int32)
     padded[real] = seq
     spread = lambda col: torch.zeros(5, dtype=col.dtype).index_copy(0, real, col)  # noqa: E731
-    got = cpu_ops.hsa_decode(
-        torch.zeros(5, *q.shape[1:]).index_copy(0, real, q),
-        t.kv,
-        t.kt,
-        t.layout,
+    rows = _native_rows(
         torch.zeros(5, t.table.shape[1], dtype=t.table.dtype).index_copy(0, real, t.table),
         spread(t.num_compact),
         spread(t.tail_start),
         padded,
         spread(t.topr),
+        sel_slot=torch.tensor([-1, 0, -1, 1, -1], dtype=torch.int32),
+        reuse=torch.tensor([0, 0, 0, 1, 0], dtype=torch.int32),
+    )
+    got = cpu_ops.hsa_decode(
+        torch.zeros(5, *q.shape[1:]).index_copy(0, real, q),
+        t.kv,
+        t.kt,
+        t.layout,
+        rows,
         spread(t.num_select),
         t.ps,
         t.d**-0.5,
         t.force,
         selections=store,
-        sel_slot=torch.tensor([-1, 0, -1, 1, -1], dtype=torch.int32),
-        reuse=torch.tensor([0, 0, 0, 1, 0], dtype=torch.int32),
     )
     torch.testing.assert_close(got[real], t.native(q, seq, plain[0], kt_plain), rtol=0, atol=0)
     assert (store == _EMPTY).all()
@@ -462,17 +447,19 @@ def test_cpu_stage2_passes_the_store():
     def rows(seq, reuse, sel_slot):
         return HsaRows(
             tokens=torch.arange(batch),
-            block_table=t.table,
-            num_compact=t.num_compact,
-            tail_start=t.tail_start,
-            seq_lens=seq,
-            topk=t.num_select * t.ps,
-            topr=t.topr,
+            decode_rows=DecodeRows(
+                block_table=t.table,
+                num_compact=t.num_compact,
+                tail_start=t.tail_start,
+                seq_lens=seq,
+                topk=t.num_select * t.ps,
+                topr=t.topr,
+                max_pages=int(t.num_pages(seq).max()),
+                max_select=int(t.num_select.max()),
+                sel_slot=sel_slot,
+                reuse=torch.full((batch,), reuse, dtype=torch.int32),
+            ),
             num_select=t.num_select,
-            max_pages=int(t.num_pages(seq).max()),
-            max_select=int(t.num_select.max()),
-            sel_slot=sel_slot,
-            reuse=torch.full((batch,), reuse, dtype=torch.int32),
         )
 
     slots = torch.arange(batch, dtype=torch.int32)
@@ -481,12 +468,11 @@ def test_cpu_stage2_passes_the_store():
         q = t.query()
         r = rows(seq, reuse, slots)
         got = stage2.decode(q, t.kv, r, t.d**-0.5, selections=store)
-        want = t.native(
-            q, seq, kv_direct, kt_direct, selections=direct, sel_slot=r.sel_slot, reuse=r.reuse
-        )
+        slotted = dict(sel_slot=r.decode_rows.sel_slot, reuse=r.decode_rows.reuse)
+        want = t.native(q, seq, kv_direct, kt_direct, selections=direct, **slotted)
         assert torch.equal(got, want) and torch.equal(store, direct)
     assert not torch.equal(got, stage2.decode(q, t.kv, r, t.d**-0.5))  # step 2 reused
-    with pytest.raises(ValueError, match="come together"):
+    with pytest.raises(ValueError, match="sel_slot and reuse"):
         stage2.decode(q, t.kv, rows(seq, 0, None), t.d**-0.5, selections=store)
 
 
@@ -499,8 +485,13 @@ def _store_decode(t, impl, cache, query, seq, **store):
     view = torch_ops.view_pages(
         t.table, t.num_compact, t.tail_start, seq, t.ps, t.bs, int(t.num_pages(seq).max())
     )
-    args = (t.table, seq, view, t.topr, t.num_select, int(t.num_select.max()), t.ps, t.d**-0.5)
-    return torch_ops.hsa_decode(query, k, v, kt, *args, t.force, **store)
+    selections, slots = _split_store(store)
+    rows = DecodeRows(
+        t.table, t.num_compact, t.tail_start, seq, t.topr, t.topr, 0, int(t.num_select.max()),
+        **slots,
+    )  # fmt: skip
+    args = (rows, view, t.num_select, t.ps, t.d**-0.5, t.force)
+    return torch_ops.hsa_decode(query, k, v, kt, *args, selections=selections)
 
 
 @pytest.mark.parametrize(
@@ -570,31 +561,22 @@ def _one_row_call(**store):
     storage, block_elems = _cache(1, 32, 32, 4, torch.float32)
     kv, _, _, kt = _views(storage, block_elems, 1, 32, 32, 4, "head_rows")
     ones = torch.ones(1, dtype=torch.int32)
+    selections, slots = _split_store(store)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    rows = _native_rows(table, ones * 0, ones * 0, ones * 5, ones, **slots)
     return cpu_ops.hsa_decode(
-        torch.zeros(1, 1, 32),
-        kv,
-        kt,
-        "head_rows",
-        torch.ones(1, 1, dtype=torch.int32),
-        ones * 0,
-        ones * 0,
-        ones * 5,
-        ones,
-        ones,
-        4,
-        0.1,
-        False,
-        **store,
+        torch.zeros(1, 1, 32), kv, kt, "head_rows", rows, ones, 4, 0.1, False, selections=selections
     )
 
 
-def test_selection_store_arguments_come_together():
+def test_selection_store_needs_the_rows_slots():
     store = torch.zeros(1, 1, 4, dtype=torch.int32)
     slot = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="come together"):
+    with pytest.raises(ValueError, match="sel_slot and reuse"):
         _one_row_call(selections=store, sel_slot=slot)
-    with pytest.raises(ValueError, match="come together"):
-        _one_row_call(sel_slot=slot, reuse=slot)
+    # without a store the rows' slots are not read: a plain call
+    got = _one_row_call(sel_slot=slot, reuse=slot + 1)
+    torch.testing.assert_close(got, _one_row_call(), rtol=0, atol=0, equal_nan=True)
 
 
 _I32 = torch.int32

@@ -188,6 +188,11 @@ def _batch(
     return c, q, args, max_pages, max_select
 
 
+def _decode_args(args, max_pages, max_select, **slots):
+    """``hsa_decode``'s (rows, page_size, scale) from ``_batch``'s args."""
+    return (triton_ops.DecodeRows(*args[:6], max_pages, max_select, **slots), *args[6:])
+
+
 def _workspace(q, hkv, max_pages, max_select, force, rows=None):
     return triton_ops.DecodeWorkspace(
         q.device,
@@ -231,15 +236,13 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
         k_cache, v_cache = Fp8KV(codes_k, fmt, 1.0), Fp8KV(codes_v, fmt, 1.0)
     sink = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(3)) if sinks else None
     out = torch.full_like(q, 7.0)
-    reuse_args = {}
+    selections, slots = None, {}
     if store:
         batch = q.shape[0]
-        slots = torch.arange(batch, dtype=torch.int32)
-        reuse_args = dict(
-            selections=torch.full((batch + 1, hkv, max_select + 1), -1, dtype=torch.int32),
-            sel_slot=slots,
-            reuse=torch.zeros_like(slots),
-        )
+        sel_slot = torch.arange(batch, dtype=torch.int32)
+        selections = torch.full((batch + 1, hkv, max_select + 1), -1, dtype=torch.int32)
+        slots = dict(sel_slot=sel_slot, reuse=torch.zeros_like(sel_slot))
+    decode_args = _decode_args(args, max_pages, max_select, **slots)
 
     def decode(out):
         triton_ops.hsa_decode(
@@ -247,21 +250,19 @@ def test_one_decode_layer_is_at_most_three_launches_and_allocates_nothing(
             k_cache,
             v_cache,
             c.kt,
-            *args,
-            max_pages,
-            max_select,
+            *decode_args,
             force,
             out=out,
             sinks=sink,
             workspace=ws,
-            **reuse_args,
+            selections=selections,
         )
 
     with sms(n_sms):
         ws = _workspace(q, hkv, max_pages, max_select, force)
         if store:  # a selecting step fills the store; the counted one reuses half
             decode(out.clone())
-            reuse_args["reuse"] = (slots % 2).to(torch.int32)
+            decode_args[0].reuse = (sel_slot % 2).to(torch.int32)
         with recording() as rec, no_allocation(rec):
             decode(out)
     names = [n for n, _ in rec.launches]
@@ -315,7 +316,7 @@ def test_the_three_decode_launches_carry_pdl_when_it_is_on(on):
         mock.patch.object(page_select, "uses_pdl", lambda device: on),
         mock.patch.object(sparse_decode, "uses_pdl", lambda device: on),
     ):
-        triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, max_pages, max_select, False)
+        triton_ops.hsa_decode(q, c.k, c.v, c.kt, *_decode_args(args, max_pages, max_select), False)
     assert seen == [
         ("_score_kernel", on, on),
         ("_select_kernel", on, on),
@@ -328,7 +329,9 @@ def test_reported_grids_are_the_launched_ones():
     c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, tk.BF16)
     for n_sms in (2, 16):
         with sms(n_sms), recording() as rec:
-            triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args, max_pages, max_select, False)
+            triton_ops.hsa_decode(
+                q, c.k, c.v, c.kt, *_decode_args(args, max_pages, max_select), False
+            )
         plan = triton_ops.plan_decode(
             q.shape[0], q.shape[1], hkv, d, max_pages, max_select, ps, False, q.dtype, n_sms
         )
@@ -436,9 +439,7 @@ def test_hsa_decode_with_many_splits_matches_the_oracle(
                 c.k,
                 c.v,
                 c.kt,
-                *args,
-                max_pages,
-                max_select,
+                *_decode_args(args, max_pages, max_select),
                 force,
                 out=out,
                 sinks=sink,
@@ -490,21 +491,19 @@ def test_select_pages_two_level_merge_with_long_rows():
 
 
 def test_probabilities_out_of_the_fused_selection():
-    """``hsa_decode(probs_out=)`` gives the probabilities of
+    """``hsa_decode_checked(probs_out=)`` gives the probabilities of
     ``hsa_page_probs`` (the same kernels, selection on / off)."""
     hkv, g, d, bs, ps = 2, 4, 64, 16, 4
     c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, tk.F32, seed=5)
     table, nc, ts, seq, topk, topr = args[:6]
     with sms(64):
         probs = torch.full((q.shape[0], hkv, max_pages), 7.0, device=DEVICE)
-        triton_ops.hsa_decode(
+        triton_ops.hsa_decode_checked(
             q,
             c.k,
             c.v,
             c.kt,
-            *args,
-            max_pages,
-            max_select,
+            *_decode_args(args, max_pages, max_select),
             True,
             update_kt=False,
             probs_out=probs,

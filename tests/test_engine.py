@@ -49,9 +49,10 @@ def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer, dtype):
     prompts = [
         chat_prompt(tokenizer, "What is the capital of France? Answer in one sentence."),
         chat_prompt(tokenizer, "Write a short poem about the sea."),
-        build_needle_prompt(tokenizer, 1500, 0.5, seed=1).prompt,
         build_needle_prompt(tokenizer, 700, 0.2, seed=2).prompt,
     ]
+    if dtype == "float32":  # bf16 is emulated on AVX2 CPUs (CI's): the long prompt once
+        prompts.append(build_needle_prompt(tokenizer, 1500, 0.5, seed=1).prompt)
     ref = make_llm(model_path, "CPU_ATTN", block_size=32, dtype=dtype)
     ref_ids, ref_lp = _greedy_with_logprobs(ref, prompts, 32)
     shutdown(ref)
@@ -75,11 +76,11 @@ def test_mixed_batch_matches_one_request_at_a_time(model_path, tokenizer, prefix
     and decodes): the same tokens as each request alone in one chunk, with
     vLLM's prefix caching on (the prompts share their opening) and off."""
     prompts = [
-        build_needle_prompt(tokenizer, 1400, 0.3, seed=21).prompt,
+        build_needle_prompt(tokenizer, 1000, 0.3, seed=21).prompt,
         chat_prompt(tokenizer, "Name three colours."),
-        build_needle_prompt(tokenizer, 2300, 0.7, seed=22).prompt,
+        build_needle_prompt(tokenizer, 1600, 0.7, seed=22).prompt,
         chat_prompt(tokenizer, "What is two plus two?"),
-        build_needle_prompt(tokenizer, 900, 0.5, seed=23).prompt,
+        build_needle_prompt(tokenizer, 700, 0.5, seed=23).prompt,
     ]
     cfg = {"prompt_budget": 320}
     alone = make_llm(
@@ -119,8 +120,8 @@ def test_per_request_budget_matches_an_engine_with_that_budget(model_path, token
     from rocketkv_vllm.config import parse_config, resolve_settings
     from rocketkv_vllm.plan import plan_request
 
-    p1 = build_needle_prompt(tokenizer, 1400, 0.4, seed=31).prompt
-    p2 = build_needle_prompt(tokenizer, 2300, 0.6, seed=32).prompt
+    p1 = build_needle_prompt(tokenizer, 1000, 0.4, seed=31).prompt
+    p2 = build_needle_prompt(tokenizer, 1700, 0.6, seed=32).prompt
 
     def params(budget):
         return SamplingParams(
@@ -180,10 +181,11 @@ def test_per_request_budget_matches_an_engine_with_that_budget(model_path, token
     assert want_freed[0][1] == 0 and 0 < want_freed[1][1] < want_freed[3][1]
 
 
-# 2k and 4k tokens: the 7k cases of the GPU check (tests/test_gpu.py) and
-# of the accuracy harness (scripts/eval_accuracy.py) would add ~4 minutes of
-# fp32 prefill on a 2-core CI machine.
-NEEDLE_CASES = [(n, d) for n in (2000, 4000) for d in (0.1, 0.5, 0.9)]
+# Three depths at 2k and one 3k case: a sanity check of retrieval through
+# the engine, not the accuracy claim (that is scripts/eval_accuracy.py's
+# grid, >= 32 samples a cell, docs/results.md). The 4k cases this had cost
+# ~5 minutes of fp32 prefill on a 2-core CI machine.
+NEEDLE_CASES = [(2000, 0.1), (2000, 0.5), (2000, 0.9), (3000, 0.5)]
 
 
 def test_needle_retrieval_with_compression(model_path, tokenizer):

@@ -14,6 +14,7 @@ from conftest import cpu_attn_decode
 from reference import paged
 
 from rocketkv_vllm.fp8_kv import FP8_FORMATS, KVQuant, kv_quant_for
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv
 from rocketkv_vllm.ops import cpu as cpu_ops
 from rocketkv_vllm.ops import pytorch as torch_ops
@@ -155,10 +156,10 @@ def test_stages_on_fp8_equal_the_reference_on_the_decoded_values(cache_dtype, dt
     pages = torch_ops.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
     topk, topr = 64, 32
     before_stage2 = torch.as_strided(kv8._base.clone(), kv8.shape, kv8.stride())
-    out = torch_ops.hsa_decode(
-        query, k8, v8, kt8, row[None].int(), seq, pages, torch.tensor([topr]),
-        torch.tensor([topk // ps]), topk // ps, ps, 0.125, True,
-    )  # fmt: skip
+    topk_t, topr_t = torch.tensor([topk]), torch.tensor([topr])
+    rows = DecodeRows(row[None].int(), nc, ts, seq, topk_t, topr_t, max_pages, topk // ps)
+    num_select = torch.tensor([topk // ps])
+    out = torch_ops.hsa_decode(query, k8, v8, kt8, rows, pages, num_select, ps, 0.125, True)
     ref = paged.hsa_decode(
         query[0], kf, vf, ktf, row, num_compact, tail, n + 1, topk, topr, ps, 0.125, True
     )
@@ -167,9 +168,8 @@ def test_stages_on_fp8_equal_the_reference_on_the_decoded_values(cache_dtype, dt
     # The C++ Stage 2 reads the codes itself: the same output and KT update.
     kt_native = kt_cache_view(before_stage2, ps)
     native = cpu_ops.hsa_decode(
-        query, before_stage2, kt_native, layout, row[None].int(), nc, ts, seq,
-        torch.tensor([topr]), torch.tensor([topk // ps]), ps, 0.125, True, quant=quant,
-    )  # fmt: skip
+        query, before_stage2, kt_native, layout, rows, num_select, ps, 0.125, True, quant=quant
+    )
     torch.testing.assert_close(native, out, rtol=1e-5, atol=1e-5)
     assert torch.equal(kt_native[row], kt8[row])
 

@@ -22,6 +22,8 @@ same stored values on both sides: 1e-4 relative, KT and moved K/V exact.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import sys
 import time
@@ -52,6 +54,7 @@ from rocketkv_vllm.kernels import sparse_decode as sparse_decode_module  # noqa:
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages  # noqa: E402
 from rocketkv_vllm.kernels.kt_update import kt_update, write_kv_and_kt  # noqa: E402
 from rocketkv_vllm.kernels.page_select import hsa_page_probs, select_pages  # noqa: E402
+from rocketkv_vllm.kernels.rows import DecodeRows  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
 from rocketkv_vllm.kernels.window_scores import window_scores  # noqa: E402
 from rocketkv_vllm.layout import kt_bounds, kt_cache_view, kt_row_bytes, physical_slots, split_kv  # noqa: E402
@@ -812,16 +815,14 @@ def test_sparse_decode(hkv, g, d, bs, ps, dtype, splits, layout):
     scale = d**-0.5
     nc, ts, seq = (_ints([s[i] for s in specs]) for i in range(3))
     for extra in (0, 1):  # 1: a forced page on top of the top-k entries
+        # (topr and max_pages: not read by the attention)
+        dr = DecodeRows(_table(rows), nc, ts, seq, _ints(topk), _ints(topk), 0, n_sel)
         out = sparse_decode(
             q,
             c.k,
             c.v,
-            _table(rows),
+            dr,
             sel.to(DEVICE),
-            nc,
-            ts,
-            seq,
-            _ints(topk),
             ps,
             scale,
             num_splits=splits,
@@ -982,9 +983,8 @@ def test_hsa_decode_batch_matches_reference_and_stays_in_view(
         + 3
     )
     max_select = max(max(k // ps, 1) for k in topk)
-    out = triton_ops.hsa_decode(
-        q, c.k, c.v, c.kt, *args, max_pages, max_select, force, select_impl=impl
-    )
+    dr = DecodeRows(*args[:6], max_pages, max_select)
+    out = triton_ops.hsa_decode_checked(q, c.k, c.v, c.kt, dr, *args[6:], force, select_impl=impl)
     ref = paged.hsa_decode_rows(q, clean.k, clean.v, clean.kt, *args, force_current_page=force)
     assert bool(out.isfinite().all())
     c.check_guard()
@@ -1042,8 +1042,9 @@ def test_hsa_decode_batch_at_cuda_graph_shapes(
         mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
         mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
     ):
-        triton_ops.hsa_decode(
-            q, c.k, c.v, c.kt, *args, graph_pages, graph_pages, force, out=out, update_kt=False
+        dr = DecodeRows(*args[:6], graph_pages, graph_pages)
+        triton_ops.hsa_decode_checked(
+            q, c.k, c.v, c.kt, dr, *args[6:], force, out=out, update_kt=False
         )
     for b, seq in enumerate(seqs):
         if seq:
@@ -1060,18 +1061,17 @@ def test_hsa_decode_batch_cuda_graph():
     specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33)]
     c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=1)
     q = torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype)
-    args = (
+    dr = DecodeRows(
         _table(rows),
         _ints([s[0] for s in specs]),
         _ints([s[1] for s in specs]),
         _ints([s[2] for s in specs]),
         _ints([16] * 3),
         _ints([32] * 3),
-        ps,
-        d**-0.5,
-        40,
-        8,
+        max_pages=40,
+        max_select=8,
     )
+    args = (dr, ps, d**-0.5)
     eager = triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args)
     out = torch.empty_like(eager)
     stream = torch.cuda.Stream()
@@ -1102,17 +1102,15 @@ def test_hsa_decode_with_pdl_changes_no_byte():
     hkv, g, d, bs, ps, dtype = 2, 4, 128, 16, 4, BF16
     specs = [(37, 96, 150), (64, 64, 70), (13, 32, 33), (40, 128, 140)]
     c, rows = _decode_batch(hkv, d, bs, ps, dtype, specs, seed=5)
-    args = (
+    dr = DecodeRows(
         _table(rows),
         *(_ints([s[i] for s in specs]) for i in range(3)),
         _ints([16] * len(specs)),
         _ints([d] * len(specs)),
-        ps,
-        d**-0.5,
-        32768 // ps + 1,
-        8,
-        True,
+        max_pages=32768 // ps + 1,
+        max_select=8,
     )
+    args = (dr, ps, d**-0.5, True)
     queries = [torch.randn(len(specs), hkv * g, d, device=DEVICE, dtype=dtype) for _ in range(4)]
     with mock.patch.dict(os.environ, {"ROCKETKV_PDL": "0"}):
         want = [triton_ops.hsa_decode(q, c.k, c.v, c.kt, *args) for q in queries]
@@ -1160,24 +1158,17 @@ def test_hsa_decode_batch_cuda_graph_replays_new_rows():
     graph_pages, graph_select = 32768 // ps + 1, 64  # max_model_len 32k
 
     def call(out):
-        return triton_ops.hsa_decode(
-            q,
-            c.k,
-            c.v,
-            c.kt,
+        dr = DecodeRows(
             table,
             cols["nc"],
             cols["ts"],
             cols["seq"],
             cols["topk"],
             cols["topr"],
-            ps,
-            d**-0.5,
             graph_pages,
             graph_select,
-            True,
-            out=out,
         )
+        return triton_ops.hsa_decode(q, c.k, c.v, c.kt, dr, ps, d**-0.5, True, out=out)
 
     out = torch.zeros_like(q)
     stream = torch.cuda.Stream()
@@ -1302,8 +1293,11 @@ def test_hsa_decode_selection_reuse(hkv, g, d, bs, ps, dtype, force, layout, kt_
     )
     assert ws.fits(plan)  # the calls use its counters
 
-    def step(cache, q, seqs, **store):
-        args = (table, nc_t, ts_t, _ints(seqs), _ints(topk), _ints(topr), ps, scale)
+    def step(cache, q, seqs, selections=None, **slots):
+        dr = DecodeRows(
+            table, nc_t, ts_t, _ints(seqs), _ints(topk), _ints(topr), max_pages, REUSE_MAX_SELECT,
+            **slots,
+        )  # fmt: skip
         with (
             mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
             mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
@@ -1313,12 +1307,12 @@ def test_hsa_decode_selection_reuse(hkv, g, d, bs, ps, dtype, force, layout, kt_
                 cache.k,
                 cache.v,
                 cache.kt,
-                *args,
-                max_pages,
-                REUSE_MAX_SELECT,
+                dr,
+                ps,
+                scale,
                 force,
                 workspace=ws,
-                **store,
+                selections=selections,
             )
         assert bool((ws.counters == 0).all()), "a merge counter was left set"
         return out
@@ -1434,15 +1428,17 @@ def test_hsa_decode_store_entries_outside_the_view_reselect():
     )
 
     def step(cache, q, seqs, store, reuse):
-        args = (table, nc_t, ts_t, _ints(seqs), _ints(topk), _ints(topr), ps, scale)
+        dr = DecodeRows(
+            table, nc_t, ts_t, _ints(seqs), _ints(topk), _ints(topr), max_pages, max_select,
+            sel_slot=slots, reuse=_ints([reuse] * batch),
+        )  # fmt: skip
         with (
             mock.patch.object(hsa_score_module, "num_sms", lambda device: sms),
             mock.patch.object(sparse_decode_module, "num_sms", lambda device: sms),
         ):
             out = triton_ops.hsa_decode(
-                q, cache.k, cache.v, cache.kt, *args, max_pages, max_select, force,
-                workspace=ws, selections=store, sel_slot=slots, reuse=_ints([reuse] * batch),
-            )  # fmt: skip
+                q, cache.k, cache.v, cache.kt, dr, ps, scale, force, workspace=ws, selections=store
+            )
         assert bool((ws.counters == 0).all()), "a merge counter was left set"
         return out
 
@@ -1493,55 +1489,49 @@ def test_hsa_decode_store_entries_outside_the_view_reselect():
 
 
 def test_hsa_decode_selection_store_refusals():
-    """The store's three arguments go together, and not with the checking
-    aids (probs_out, select_impl="torch"): refused before any launch."""
-    q = torch.zeros(1, 2, 64, device=DEVICE)
-    store = torch.zeros(1, 1, 4, dtype=torch.int32, device=DEVICE)
+    """A store needs the rows' slot and reuse columns and int32 entries:
+    refused before any launch. The checking aids (probs_out, select_impl,
+    update_kt) are ``hsa_decode_checked``'s only, which takes no store."""
+    c = Cache(4, 2, 64, 16, 4, F32)
+    q = torch.zeros(1, 4, 64, device=DEVICE)
+    store = torch.zeros(1, 2, 4, dtype=torch.int32, device=DEVICE)
     one = _ints([0])
-    base = (q, None, None, None, None, one, one, one, one, one, 4, 1.0, 8, 2)
+    rows = DecodeRows(_table([c.new_row(1)]), one, one, one, one, one, 8, 2)
     cases = [
-        (dict(selections=store), "together"),
-        (dict(selections=store, sel_slot=one), "together"),
-        (dict(sel_slot=one, reuse=one), "together"),
-        (dict(selections=store, sel_slot=one, reuse=one, select_impl="torch"), "select_impl"),
-        (
-            dict(selections=store, sel_slot=one, reuse=one, probs_out=torch.zeros(1, 1, 8)),
-            "probs_out",
-        ),
-        (dict(selections=store.long(), sel_slot=one, reuse=one), "int32"),
+        (rows, store, "sel_slot and reuse"),
+        (dataclasses.replace(rows, sel_slot=one), store, "sel_slot and reuse"),
+        (dataclasses.replace(rows, sel_slot=one, reuse=one), store.long(), "int32"),
     ]
-    for kwargs, words in cases:
+    for dr, selections, words in cases:
         try:
-            triton_ops.hsa_decode(*base, **kwargs)
+            triton_ops.hsa_decode(q, c.k, c.v, c.kt, dr, 4, 1.0, selections=selections)
         except ValueError as exc:
-            assert words in str(exc), (sorted(kwargs), exc)
+            assert words in str(exc), (words, exc)
         else:
-            raise AssertionError(f"accepted {sorted(kwargs)}")
+            raise AssertionError(f"accepted: {words}")
+    plain = inspect.signature(triton_ops.hsa_decode).parameters
+    checked = inspect.signature(triton_ops.hsa_decode_checked).parameters
+    assert not {"select_impl", "probs_out", "update_kt"} & set(plain)
+    assert "selections" not in checked
 
 
 def test_triton_stage2_passes_the_selection_store():
-    """``TritonStage2.decode`` hands the store and the rows' slot / reuse
-    columns to ``hsa_decode`` (sliced with the rows in eager chunks), and
-    nothing of them without a store."""
+    """``TritonStage2.decode`` hands the store to ``hsa_decode`` with the
+    rows (their slot / reuse columns sliced with them in eager chunks), and
+    no store without one."""
     from types import SimpleNamespace
 
     from rocketkv_vllm.ops.base import HsaRows
 
     c = Cache(4, 2, 64, 16, 4, F32)
     ints = _ints([0, 1, 2])
+    table = _table([c.new_row(1) for _ in range(3)])
     rows = HsaRows(
         tokens=ints,
-        block_table=_table([c.new_row(1) for _ in range(3)]),
-        num_compact=ints,
-        tail_start=ints,
-        seq_lens=ints,
-        topk=ints,
-        topr=ints,
+        decode_rows=DecodeRows(
+            table, ints, ints, ints, ints, ints, 4, 2, _ints([5, -1, 6]), _ints([1, 0, 1])
+        ),
         num_select=ints,
-        max_pages=4,
-        max_select=2,
-        sel_slot=_ints([5, -1, 6]),
-        reuse=_ints([1, 0, 1]),
     )
     settings = SimpleNamespace(page_size=4, force_current_page=True, kt_dtype=AUTO)
     stage2 = triton_ops.TritonStage2(settings, "token")
@@ -1549,8 +1539,8 @@ def test_triton_stage2_passes_the_selection_store():
     q = torch.zeros(3, 4, 64, device=DEVICE)
     calls = []
 
-    def fake(query, *args, **kwargs):
-        calls.append(kwargs)
+    def fake(query, k, v, kt, rows, *args, **kwargs):
+        calls.append(dict(kwargs, sel_slot=rows.sel_slot, reuse=rows.reuse))
         return torch.zeros_like(query)
 
     with (
@@ -1566,7 +1556,7 @@ def test_triton_stage2_passes_the_selection_store():
         assert calls[0]["sel_slot"].tolist() == [5, -1, 6]
         calls.clear()
         stage2.decode(q, c.kv, rows, 1.0)
-        assert not any(k in kw for kw in calls for k in ("selections", "sel_slot", "reuse"))
+        assert [kw["selections"] for kw in calls] == [None, None]
 
 
 # --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ where the ~4.4 GB of address space cannot be reserved.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -88,10 +89,11 @@ def test_decode_past_2_31_elements():
     small, q, args, max_pages, max_select = tdl._batch(HKV, G, D, BS, PS, DTYPE, seed=7)
     table = args[0]
     large, big_table, top = _large_twin(small, table)
-    rest = (*args[1:], max_pages, max_select, True)
+    rows, *rest = tdl._decode_args(args, max_pages, max_select)
+    big_rows = dataclasses.replace(rows, block_table=big_table)
     with tdl.sms(16):
-        want = triton_ops.hsa_decode(q, small.k, small.v, small.kt, table, *rest)
-        got = triton_ops.hsa_decode(q, large.k, large.v, large.kt, big_table, *rest)
+        want = triton_ops.hsa_decode(q, small.k, small.v, small.kt, rows, *rest, True)
+        got = triton_ops.hsa_decode(q, large.k, large.v, large.kt, big_rows, *rest, True)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     ids = sorted(top)
     assert torch.equal(  # the KT refresh of each row's newest page

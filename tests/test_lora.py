@@ -62,7 +62,7 @@ def test_adapter_requests_after_a_base_request_on_their_prompt(model_path, token
     lora = LoRARequest("random", 1, adapter)
     p1, p2 = (
         TokensPrompt(prompt_token_ids=s.token_ids)
-        for s in eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
+        for s in eval_tasks.make_samples("niah_single", tokenizer, 700, 2)
     )
 
     def params(budget=None):

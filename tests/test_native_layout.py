@@ -11,6 +11,7 @@ import torch
 from conftest import cpu_attn_decode
 from reference import paged
 
+from rocketkv_vllm.kernels.rows import DecodeRows  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, split_kv  # noqa: E402
 from rocketkv_vllm.ops import pytorch as torch_ops
 
@@ -95,21 +96,9 @@ def test_pytorch_path_on_the_amx_layout_matches_the_token_layout():
         ts, seq = torch.tensor([tail]), torch.tensor([n + 1])
         max_pages = int(-(-nc // ps) + -(-(seq - ts) // ps))
         view = torch_ops.view_pages(row[None].int(), nc, ts, seq, ps, bs, max_pages)
-        out = torch_ops.hsa_decode(
-            query,
-            k,
-            v,
-            kt,
-            row[None].int(),
-            seq,
-            view,
-            torch.tensor([32]),
-            torch.tensor([8]),
-            8,
-            ps,
-            d**-0.5,
-            True,
-        )
+        topr = torch.tensor([32])
+        dr = DecodeRows(row[None].int(), nc, ts, seq, topr * 0 + 8 * ps, topr, max_pages, 8)
+        out = torch_ops.hsa_decode(query, k, v, kt, dr, view, torch.tensor([8]), ps, d**-0.5, True)
         # Read back every kept token through the views.
         kept_k, kept_v = paged.gather_kv(k, v, row, torch.arange(int(nc)))
         outs.append((out, kept_k, kept_v))

@@ -65,11 +65,11 @@ class Run:
 def _cases(tokenizer):
     """The requests of every case, in groups submitted together; a group
     starts when the one before it has finished."""
-    needle = build_needle_prompt(tokenizer, 1500, 0.4, seed=5).token_ids
-    doc = make_conversation(tokenizer, 1300, 4, seed=11)
-    shared = make_conversation(tokenizer, 1200, 3, seed=12)
-    extra = make_conversation(tokenizer, 1300, 1, seed=13).document
-    mixed = make_conversation(tokenizer, 1200, 2, seed=14)
+    needle = build_needle_prompt(tokenizer, 1000, 0.4, seed=5).token_ids
+    doc = make_conversation(tokenizer, 900, 4, seed=11)
+    shared = make_conversation(tokenizer, 850, 3, seed=12)
+    extra = make_conversation(tokenizer, 700, 1, seed=13).document
+    mixed = make_conversation(tokenizer, 850, 2, seed=14)
 
     def ask(conv, fact, document=None):
         return question_ids(tokenizer, conv, fact, document)
@@ -276,7 +276,7 @@ def _reselection_chat(tokenizer):
 @pytest.fixture(scope="module")
 def runs(model_path, tokenizer):
     groups = _cases(tokenizer)
-    chat = make_conversation(tokenizer, 1300, 4, seed=21)
+    chat = make_conversation(tokenizer, 900, 4, seed=21)
     reselect, _ = _reselection_chat(tokenizer)
     chats = [("chat", 4, lambda t, a: prompt_ids(tokenizer, chat, t, a)), ("mt", 2, reselect)]
     result = {}
@@ -321,8 +321,8 @@ def test_later_requests_are_served_from_the_cache(runs):
     assert outs["same-1"].cached == 0
     assert n - 2 * BS - 32 <= outs["same-2"].cached <= n - 32
     assert outs["doc-q1"].cached >= 0.9 * (len(outs["doc-q0"].prompt) - 64)
-    assert outs["A"].cached > 1000 and outs["B"].cached > 1000
-    assert outs["dense-row"].cached > 1000 and outs["compressed-row"].cached > 1000
+    assert outs["A"].cached > 700 and outs["B"].cached > 700
+    assert outs["dense-row"].cached > 700 and outs["compressed-row"].cached > 700
     later = [outs[f"chat-{t}"] for t in (1, 2, 3)] + [outs["mt-1"]]
     assert sum(o.cached for o in later) >= 0.75 * sum(len(o.prompt) for o in later)
     account = runs["on"].account

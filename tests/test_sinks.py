@@ -37,6 +37,7 @@ from rocketkv_vllm.algorithm import (  # noqa: E402
     window_attention_scores,
 )
 from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores  # noqa: E402
+from rocketkv_vllm.kernels.rows import DecodeRows  # noqa: E402
 from rocketkv_vllm.kernels.sparse_decode import sparse_decode  # noqa: E402
 from rocketkv_vllm.kernels.window_scores import window_scores as triton_window_scores  # noqa: E402
 from rocketkv_vllm.layout import kt_cache_view, kt_row_bytes, split_kv  # noqa: E402
@@ -248,58 +249,27 @@ def _stage2(impl, c, query, sinks, num_select, force=False):
             force_current_page=force,
             sinks=sinks,
         )
+    dev = c.table.device
+    topk = (num_select * PS).to(dev)
+    rows = DecodeRows(c.table, c.nc, c.ts, c.seq, topk, topr.to(dev), max_pages, max_select)
     if impl == "pytorch":
         view = torch_ops.view_pages(c.table, c.nc, c.ts, c.seq, PS, BS, max_pages)
         return torch_ops.hsa_decode(
-            query,
-            c.k,
-            c.v,
-            c.kt,
-            c.table,
-            c.seq,
-            view,
-            topr,
-            num_select,
-            max_select,
-            PS,
-            SCALE,
-            force,
-            sinks=sinks,
+            query, c.k, c.v, c.kt, rows, view, num_select, PS, SCALE, force, sinks=sinks
         )
     if impl == "cpu":
         return cpu_ops.hsa_decode(
-            query,
-            c.kv,
-            c.kt,
-            c.layout,
-            c.table,
-            c.nc,
-            c.ts,
-            c.seq,
-            topr,
-            num_select,
-            PS,
-            SCALE,
-            force,
-            sinks=sinks,
+            query, c.kv, c.kt, c.layout, rows, num_select, PS, SCALE, force, sinks=sinks
         )
     assert impl == "triton"
-    dev = c.table.device
     return triton_ops.hsa_decode(
         query,
         c.k,
         c.v,
         c.kt,
-        c.table,
-        c.nc,
-        c.ts,
-        c.seq,
-        (num_select * PS).to(dev),
-        topr.to(dev),
+        rows,
         PS,
         SCALE,
-        max_pages,
-        max_select,
         force,
         sinks=None if sinks is None else sinks.to(dev),
     )
@@ -378,16 +348,13 @@ def test_triton_sparse_decode_with_explicit_pages(splits, dtype, kind):
     sinks = _sinks(kind)
 
     def run(s):
+        topk_t = torch.tensor(topk, dtype=torch.int32, device=TRITON_DEVICE)
         return sparse_decode(
             query,
             c.k,
             c.v,
-            c.table,
+            DecodeRows(c.table, c.nc, c.ts, c.seq, topk_t, topk_t, 0, n_sel),  # topr: unread
             sel.to(TRITON_DEVICE),
-            c.nc,
-            c.ts,
-            c.seq,
-            torch.tensor(topk, dtype=torch.int32, device=TRITON_DEVICE),
             PS,
             SCALE,
             num_splits=splits,
@@ -545,12 +512,8 @@ def test_without_sinks_nothing_changes():
                 query,
                 c.k,
                 c.v,
-                c.table,
+                DecodeRows(c.table, c.nc, c.ts, c.seq, topk, topk, 0, 12),  # topr: unread
                 sel.to(TRITON_DEVICE),
-                c.nc,
-                c.ts,
-                c.seq,
-                topk,
                 PS,
                 SCALE,
                 num_splits=splits,
@@ -588,15 +551,17 @@ def test_the_backend_stage2_passes_the_sinks(impl):
     stage2 = cls(settings, c.layout)
     rows = HsaRows(
         tokens=torch.arange(len(SPECS), device=device),
-        block_table=c.table,
-        num_compact=c.nc,
-        tail_start=c.ts,
-        seq_lens=c.seq,
-        topk=(num_select * PS).to(device),
-        topr=torch.full_like(c.seq, D),
+        decode_rows=DecodeRows(
+            block_table=c.table,
+            num_compact=c.nc,
+            tail_start=c.ts,
+            seq_lens=c.seq,
+            topk=(num_select * PS).to(device),
+            topr=torch.full_like(c.seq, D),
+            max_pages=max(c.num_pages(b) for b in range(len(SPECS))),
+            max_select=int(num_select.max()),
+        ),
         num_select=num_select.to(device),
-        max_pages=max(c.num_pages(b) for b in range(len(SPECS))),
-        max_select=int(num_select.max()),
     )
     stage2.prepare(rows)
     got = stage2.decode(query, c.kv, rows, SCALE, sinks=sinks).cpu()

@@ -216,13 +216,14 @@ def test_stage2_on_fp8_codes(cache_dtype, layout, dtype, with_sinks):
     update_kt = dtype == F32
     k8, v8 = pair.fp8_views()
     sinks = _sinks(with_sinks)
-    out = triton_ops.hsa_decode(
-        q, k8, v8, pair.kt, *args, 64, 4, True, update_kt=update_kt, sinks=sinks
+    rows = (triton_ops.DecodeRows(*args[:6], 64, 4), *args[6:])
+    out = triton_ops.hsa_decode_checked(
+        q, k8, v8, pair.kt, *rows, True, update_kt=update_kt, sinks=sinks
     )
     tk, tv = split_kv(pair.twin, layout)
     ref_kt = pair.twin_kt.clone()
-    out_twin = triton_ops.hsa_decode(
-        q, tk, tv, pair.twin_kt, *args, 64, 4, True, update_kt=update_kt, sinks=sinks
+    out_twin = triton_ops.hsa_decode_checked(
+        q, tk, tv, pair.twin_kt, *rows, True, update_kt=update_kt, sinks=sinks
     )
     assert out.dtype == dtype and bool(out.isfinite().all())
     assert torch.equal(out, out_twin)
@@ -244,12 +245,8 @@ def test_kernels_refuse_raw_fp8_codes():
             q,
             codes_k,
             codes_v,
-            one[:, None],
+            triton_ops.DecodeRows(one[:, None], one, one, one * 2, one, one, 1, 1),
             one.view(1, 1, 1).expand(1, HKV, 1).contiguous(),
-            one,
-            one,
-            one * 2,
-            one,
             PS,
             1.0,
         )

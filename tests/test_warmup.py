@@ -273,7 +273,7 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(
         tb._v2_new_requests(b, list(zip(slots, lengths)), budgets)
         cm = tb._cm(b, [(n, 1, n) for n in lengths], table, req_idx=slots)
         rows = b.build(0, cm).decode
-        assert rows is not None and not rows.in_place and rows.seq_lens.numel() == batch
+        assert rows is not None and not rows.in_place and rows.decode_rows.seq_lens.numel() == batch
         query = torch.randn(batch, hq, tb.D, generator=gen)
         b.stage2.decode(query[rows.tokens], kv, rows, scale, selections=store)
     real = set(seen)
@@ -345,6 +345,7 @@ def test_no_stage2_compile_after_warm_up_on_cuda():
     warms up to max_num_seqs; here each distinct plan costs a compile.)"""
     from rocketkv_vllm.backend import graphs
     from rocketkv_vllm.backend.warmup import warm_up_stage2
+    from rocketkv_vllm.kernels.rows import DecodeRows
     from rocketkv_vllm.ops.base import HsaRows
     from rocketkv_vllm.ops.triton import TritonStage2
     from rocketkv_vllm.plan import pages_selected
@@ -395,19 +396,13 @@ def test_no_stage2_compile_after_warm_up_on_cuda():
         cols = cols.to(DEVICE)
         max_select = int(cols[5, :batch].max())
         max_pages, max_select = graphs.eager_bounds(shape, max_select)
+        table = torch.randint(1, 1200, (batch, 512), generator=gen, dtype=torch.int32)
         rows = HsaRows(
             tokens=torch.arange(batch, device=DEVICE),
-            block_table=torch.randint(1, 1200, (batch, 512), generator=gen, dtype=torch.int32).to(
-                DEVICE
+            decode_rows=DecodeRows(
+                table.to(DEVICE), *cols[:5, :batch], max_pages=max_pages, max_select=max_select
             ),
-            num_compact=cols[0, :batch],
-            tail_start=cols[1, :batch],
-            seq_lens=cols[2, :batch],
-            topk=cols[3, :batch],
-            topr=cols[4, :batch],
             num_select=cols[5, :batch],
-            max_pages=max_pages,
-            max_select=max_select,
         )
         query = torch.randn(batch, hq, d, device=DEVICE, dtype=dtype)
         stage2.decode(query, kv_cache, rows, scale)

@@ -110,6 +110,7 @@ def main(argv=None) -> int:
 
     from rocketkv_vllm.backend.native import cpu_kv_layout
     from rocketkv_vllm.config import RocketKVConfig, resolve_settings
+    from rocketkv_vllm.kernels.rows import DecodeRows
     from rocketkv_vllm.layout import kt_cache_view, split_kv
     from rocketkv_vllm.ops import pytorch as torch_ops
     from rocketkv_vllm.plan import plan_request
@@ -160,6 +161,16 @@ def main(argv=None) -> int:
     max_pages = -(-plan.num_compact // ps) + -(-(n + 1 - plan.tail_start) // ps)
     view = torch_ops.view_pages(table, num_compact, tail_start, seq, ps, bs, max_pages)
     num_select = max(plan.topk // ps, 1)
+    rows = DecodeRows(
+        table,
+        num_compact,
+        tail_start,
+        seq,
+        col(plan.topk),
+        col(plan.topr),
+        max_pages,
+        num_select,
+    )
 
     from rocketkv_vllm.ops import cpu as cpu_ops
 
@@ -179,12 +190,9 @@ def main(argv=None) -> int:
                 k_cache,
                 v_cache,
                 kt_cache,
-                table,
-                seq,
+                rows,
                 view,
-                col(plan.topr),
                 col(num_select),
-                num_select,
                 ps,
                 d**-0.5,
                 settings.force_current_page,
@@ -196,11 +204,7 @@ def main(argv=None) -> int:
                 kv,
                 kt_cache,
                 layout,
-                table,
-                num_compact,
-                tail_start,
-                seq,
-                col(plan.topr),
+                rows,
                 col(num_select),
                 ps,
                 d**-0.5,

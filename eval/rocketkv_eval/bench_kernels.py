@@ -101,6 +101,7 @@ JSON (``--out``, rewritten after every size): {"gpu", "date", "command",
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -625,7 +626,7 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
     q = torch.randn(batch, hq, d, dtype=a.dtype, device=dev)
     out = torch.empty_like(q)
     scale = d**-0.5
-    rows = (table, nc_t, ts_t, seq_t, topk_t, topr_t, ps, scale, max_pages, max_select, force)
+    rows = triton_ops.DecodeRows(table, nc_t, ts_t, seq_t, topk_t, topr_t, max_pages, max_select)
     dplan = triton_ops.plan_decode(
         batch,
         hq,
@@ -647,7 +648,9 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
         ws = triton_ops.DecodeWorkspace(dev, batch, hq, hkv, d, max_pages, max_select, force)
 
         def call():
-            triton_ops.hsa_decode(q, k_cache, v_cache, kt, *rows, out=out, workspace=ws)
+            triton_ops.hsa_decode(
+                q, k_cache, v_cache, kt, rows, ps, scale, force, out=out, workspace=ws
+            )
 
     else:  # rocketkv_reuse
         ws = triton_ops.DecodeWorkspace(dev, batch, hq, hkv, d, max_pages, max_select, force)
@@ -663,12 +666,13 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
                 k_cache,
                 v_cache,
                 kt,
-                *rows,
+                dataclasses.replace(rows, sel_slot=slots, reuse=reuse),
+                ps,
+                scale,
+                force,
                 out=out,
                 workspace=ws,
                 selections=store,
-                sel_slot=slots,
-                reuse=reuse,
             )
 
         step(torch.zeros_like(slots))
@@ -686,15 +690,11 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
         row.update(
             {
                 "ms_score": timer.eager(
-                    lambda: launch_score(
-                        dplan.score, score, q, kt, table, nc_t, ts_t, seq_t, topr_t, ps, k_cache
-                    ),
+                    lambda: launch_score(dplan.score, score, q, kt, rows, ps, k_cache),
                     refresh,
                 ),
                 "ms_select": timer.eager(
-                    lambda: launch_select(
-                        dplan.score, score, hq, nc_t, ts_t, seq_t, topk_t, ps, force
-                    ),
+                    lambda: launch_select(dplan.score, score, hq, rows, ps, force),
                     refresh,
                 ),
                 "ms_sparse_attention": timer.eager(
@@ -702,12 +702,8 @@ def bench_rocket(ctx, batch, label, raw, a, dev, timer, method="rocketkv"):
                         q,
                         k_cache,
                         v_cache,
-                        table,
+                        rows,
                         score.sel,
-                        nc_t,
-                        ts_t,
-                        seq_t,
-                        topk_t,
                         ps,
                         scale,
                         out=out,

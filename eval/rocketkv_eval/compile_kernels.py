@@ -474,15 +474,15 @@ def launch_config(
     new = torch.zeros(batch, HKV, d, dtype=t.dtype)
     sinks = torch.zeros(HKV * GROUP, dtype=torch.float32)  # gpt-oss attention sinks
     bt, nc, ts, seq = r["block_table"], r["num_compact"], r["tail_start"], r["seq_lens"]
-    attend = (q, t.k, t.v, bt, sel, nc, ts, seq, r["topk"], ps, scale)
-    rows = (bt, nc, ts, seq, r["topk"], r["topr"], ps, scale, max_pages, max_select)
+    rows = ops.DecodeRows(bt, nc, ts, seq, r["topk"], r["topr"], max_pages, max_select)
+    attend = (q, t.k, t.v, rows, sel, ps, scale)
 
     def decode(force, **kw):
         """Stage 2 as the backend runs it: three launches on a workspace."""
         ws = ops.DecodeWorkspace(
             "cpu", batch, HKV * GROUP, HKV, d, max_pages, max_select, force, sms=target.sms
         )
-        return ops.hsa_decode(q, t.k, t.v, t.kt, *rows, force, out=out, workspace=ws, **kw)
+        return ops.hsa_decode(q, t.k, t.v, t.kt, rows, ps, scale, force, out, workspace=ws, **kw)
 
     calls = {
         # Stage 2 (ops.triton.hsa_decode: _score_kernel with the KT update,

@@ -38,6 +38,7 @@ from rocketkv_vllm.backend.native import native_for_config, native_for_layers
 from rocketkv_vllm.backend.reuse import SelectionReuse
 from rocketkv_vllm.backend.stages import stage2_for, uses_triton
 from rocketkv_vllm.config import settings_for, test_aids_for
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.ops.base import SCRATCH_BYTES, HsaRows, scratch_bytes_per_row
 from rocketkv_vllm.plan import PlanCache, RequestPlan, pages_selected, view_pages
 from rocketkv_vllm.state import PromptLengths, worker_state
@@ -97,6 +98,24 @@ _HSA_COLUMNS = (
 )
 _NUM_SELECT = _HSA_COLUMNS.index("num_select")
 _SEL_SLOT = _HSA_COLUMNS.index("sel_slot")
+
+
+def _decode_rows(
+    c: dict[str, torch.Tensor], block_table: torch.Tensor, max_pages: int, max_select: int
+) -> DecodeRows:
+    """The kernels' rows from the device columns (``_HSA_COLUMNS``)."""
+    return DecodeRows(
+        block_table=block_table,
+        num_compact=c["num_compact"],
+        tail_start=c["tail_start"],
+        seq_lens=c["seq_len"],
+        topk=c["topk"],
+        topr=c["topr"],
+        max_pages=max_pages,
+        max_select=max_select,
+        sel_slot=c["sel_slot"],
+        reuse=c["reuse"],
+    )
 
 
 @dataclass
@@ -418,17 +437,8 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
             )
         hsa = HsaRows(
             tokens=c["token"].long(),
-            block_table=block_table[c["row"].long()],
-            num_compact=c["num_compact"],
-            tail_start=c["tail_start"],
-            seq_lens=c["seq_len"],
-            topk=c["topk"],
-            topr=c["topr"],
+            decode_rows=_decode_rows(c, block_table[c["row"].long()], max_pages, max_select),
             num_select=c["num_select"],
-            max_pages=max_pages,
-            max_select=max_select,
-            sel_slot=c["sel_slot"],
-            reuse=c["reuse"],
             workspace=self._workspace(),
         )
         self.stage2.prepare(hsa)
@@ -545,17 +555,8 @@ class RocketKVMetadataBuilder(AttentionMetadataBuilder[RocketKVMetadata]):
         g = self.graph
         md.decode = HsaRows(
             tokens=buffers.tokens[:batch],
-            block_table=cm.block_table_tensor[:batch],
-            num_compact=c["num_compact"],
-            tail_start=c["tail_start"],
-            seq_lens=c["seq_len"],
-            topk=c["topk"],
-            topr=c["topr"],
+            decode_rows=_decode_rows(c, cm.block_table_tensor[:batch], g.max_pages, g.max_select),
             num_select=c["num_select"],
-            max_pages=g.max_pages,
-            max_select=g.max_select,
-            sel_slot=c["sel_slot"],
-            reuse=c["reuse"],
             in_place=True,
             workspace=self._workspace(),
         )

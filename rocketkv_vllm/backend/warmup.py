@@ -33,6 +33,7 @@ from vllm.logger import init_logger
 
 from rocketkv_vllm.backend import graphs
 from rocketkv_vllm.config import RocketKVSettings
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.layout import kt_cache_view, split_kv
 from rocketkv_vllm.ops.base import HsaRows
 
@@ -104,17 +105,19 @@ def padding_rows(batch: int, max_pages: int, max_select: int, device) -> HsaRows
     )
     return HsaRows(
         tokens=torch.arange(batch, device=device),
-        block_table=torch.zeros(batch, 1, dtype=torch.int32, device=device),
-        num_compact=num_compact,
-        tail_start=tail_start,
-        seq_lens=seq_lens,
-        topk=topk,
-        topr=topr,
+        decode_rows=DecodeRows(
+            block_table=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+            num_compact=num_compact,
+            tail_start=tail_start,
+            seq_lens=seq_lens,
+            topk=topk,
+            topr=topr,
+            max_pages=max_pages,
+            max_select=max_select,
+            sel_slot=sel_slot,
+            reuse=reuse,
+        ),
         num_select=num_select,
-        max_pages=max_pages,
-        max_select=max_select,
-        sel_slot=sel_slot,
-        reuse=reuse,
     )
 
 

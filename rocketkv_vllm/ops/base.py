@@ -9,7 +9,8 @@ step. Each implementation lives beside the launchers it calls:
 ``backend.stages`` chooses one of each per engine.
 
 No vLLM import here (nor in any module of ``ops``): the stages and their
-tests run with only torch (+ triton for the Triton kernels).
+tests run with only torch + triton (triton imported by ``kernels.rows``,
+whose ``DecodeRows`` sits beside the kernels' own row helpers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rocketkv_vllm.algorithm.h2o import h2o_keep_positions
 from rocketkv_vllm.algorithm.snapkv import keep_positions_from_scores
 from rocketkv_vllm.algorithm.streaming import streaming_keep_positions
 from rocketkv_vllm.fp8_kv import KVQuant
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.layout import kt_cache_view
 
 if TYPE_CHECKING:
@@ -115,23 +117,15 @@ class Stage1:
 @dataclass
 class HsaRows:
     """Stage 2 rows of a step, one token each, the same for every layer:
-    each row's plan columns as device tensors."""
+    the rows' kernel columns and bounds as one ``DecodeRows`` (passed whole
+    to every implementation's ``hsa_decode``), and what only the step needs."""
 
     tokens: torch.Tensor  # [B] index of each row's token in the step
-    block_table: torch.Tensor  # [B, max_blocks]
-    num_compact: torch.Tensor  # [B] int32
-    tail_start: torch.Tensor
-    seq_lens: torch.Tensor  # including the token
-    topk: torch.Tensor
-    topr: torch.Tensor
+    # block_table, num_compact, tail_start, seq_lens, topk, topr, the bounds
+    # max_pages and max_select, and the selection-store columns (sel_slot,
+    # reuse: ``rocketkv.reselect_every`` > 1, ``backend.reuse``)
+    decode_rows: DecodeRows
     num_select: torch.Tensor  # pages to select: plan.pages_selected(topk)
-    max_pages: int  # >= every row's view page count
-    max_select: int  # >= every num_select
-    # Selection reuse (``rocketkv.reselect_every`` > 1, ``backend.reuse``):
-    # each row's slot in the layer's selection store (-1: none) and whether
-    # it attends the pages stored there instead of choosing (``Stage2.decode``)
-    sel_slot: torch.Tensor | None = None  # [B] int32
-    reuse: torch.Tensor | None = None  # [B] int32, nonzero: reuse
     # FULL CUDA graph layout (backend.graphs): row b is the step's token b,
     # rows with seq_len 0 are not compressed, the result goes straight into
     # the output (those rows keep the native backend's)
@@ -145,32 +139,10 @@ class HsaRows:
         """Rows [a, b) with the same bounds and workspace (not prepared)."""
         return HsaRows(
             tokens=self.tokens[a:b],
-            block_table=self.block_table[a:b],
-            num_compact=self.num_compact[a:b],
-            tail_start=self.tail_start[a:b],
-            seq_lens=self.seq_lens[a:b],
-            topk=self.topk[a:b],
-            topr=self.topr[a:b],
+            decode_rows=self.decode_rows.slice(a, b),
             num_select=self.num_select[a:b],
-            max_pages=self.max_pages,
-            max_select=self.max_select,
-            sel_slot=None if self.sel_slot is None else self.sel_slot[a:b],
-            reuse=None if self.reuse is None else self.reuse[a:b],
             workspace=self.workspace,
         )
-
-    def store_args(self, selections: torch.Tensor | None) -> dict:
-        """The selection-store arguments of an ``hsa_decode`` for these rows:
-        none without a store (the rows' columns then mean nothing)."""
-        if selections is None:
-            return {}
-        return dict(selections=selections, sel_slot=self.sel_slot, reuse=self.reuse)
-
-
-def check_store_args(selections, sel_slot, reuse) -> None:
-    """An ``hsa_decode`` takes the selection store's three arguments together."""
-    if len({selections is None, sel_slot is None, reuse is None}) > 1:
-        raise ValueError("selections, sel_slot and reuse come together (all three or none)")
 
 
 class Stage2:
@@ -231,8 +203,8 @@ class Stage2:
         layer's fp8 format and scales when the cache holds fp8 codes.
 
         selections: the layer's selection store, int32 [S, Hkv, W] (None:
-        no reuse, today's launches). Row b with ``rows.reuse[b]`` nonzero
-        attends the n_use pages at selections[rows.sel_slot[b], h, :n_use]
+        no reuse, today's launches). Row b with ``rows.decode_rows.reuse[b]``
+        nonzero attends the n_use pages at selections[sel_slot[b], h, :n_use]
         instead of scoring and choosing (its KT page is still updated); a
         row with reuse 0 and sel_slot >= 0 writes the n_use pages it chose
         there. n_use is the row's selection size (``pages_selected`` + the

@@ -18,7 +18,8 @@ import torch
 
 from rocketkv_vllm.fp8_kv import KVQuant
 from rocketkv_vllm.kernels.formats import FORMAT_CODES
-from rocketkv_vllm.ops.base import HsaRows, Stage2, check_store_args
+from rocketkv_vllm.kernels.rows import DecodeRows
+from rocketkv_vllm.ops.base import HsaRows, Stage2
 
 LAYOUT_CODES = {"head_rows": 0, "cpu_vec": 1, "cpu_amx": 2}
 
@@ -53,11 +54,7 @@ def hsa_decode(
     kv_cache: torch.Tensor,
     kt_cache: torch.Tensor,
     layout: str,
-    block_table: torch.Tensor,
-    num_compact: torch.Tensor,
-    tail_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topr: torch.Tensor,
+    rows: DecodeRows,
     num_select: torch.Tensor,
     page_size: int,
     scale: float,
@@ -65,30 +62,30 @@ def hsa_decode(
     sinks: torch.Tensor | None = None,
     quant: KVQuant | None = None,
     selections: torch.Tensor | None = None,
-    sel_slot: torch.Tensor | None = None,
-    reuse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, d]; kv_cache the layer's [num_blocks, Hkv, bs, 2d] cache;
-    kt_cache ``layout.kt_cache_view``; [B] integer columns as in ``HsaRows``;
-    sinks: optional [Hq] sink logits (fp32, or any float dtype: converted),
-    in the exact attention's softmax only (``algorithm.sinks``); quant: the
-    layer's fp8 format and scales when kv_cache holds fp8 codes (``fp8_kv``);
-    selections, sel_slot, reuse: the selection store int32 [S, Hkv, W] and
-    the rows' int32 [B] slots and reuse flags (``Stage2.decode``), all three
-    or none. Updates the KT pages of each row's newest token; returns
-    [B, Hq, d]."""
+    kt_cache ``layout.kt_cache_view``; rows the decode rows (``DecodeRows``:
+    block_table, num_compact, tail_start, seq_lens, topr, and sel_slot,
+    reuse with a store; topk and the bounds are not read) and num_select
+    ([B], ``HsaRows``'); sinks: optional [Hq] sink logits (fp32, or any
+    float dtype: converted), in the exact attention's softmax only
+    (``algorithm.sinks``); quant: the layer's fp8 format and scales when
+    kv_cache holds fp8 codes (``fp8_kv``); selections: the selection store
+    int32 [S, Hkv, W] (``Stage2.decode``), read with the rows' slots and
+    reuse flags (None: they are not read). Updates the KT pages of each
+    row's newest token; returns [B, Hq, d]."""
     if layout not in LAYOUT_CODES:
         raise ValueError(f"CPU Stage 2 reads layouts {sorted(LAYOUT_CODES)}, not {layout!r}")
-    check_store_args(selections, sel_slot, reuse)
+    sel_slot, reuse = rows.store_columns(selections)  # the kernel checks the rest
     return _extension().hsa_decode(
         query,
         kv_cache,
         kt_cache,
-        block_table,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topr,
+        rows.block_table,
+        rows.num_compact,
+        rows.tail_start,
+        rows.seq_lens,
+        rows.topr,
         num_select,
         page_size,
         scale,
@@ -125,16 +122,12 @@ class CpuStage2(Stage2):
             kv_cache,
             self._kt(kv_cache),
             self.kv_layout,
-            rows.block_table,
-            rows.num_compact,
-            rows.tail_start,
-            rows.seq_lens,
-            rows.topr,
+            rows.decode_rows,
             rows.num_select,
             s.page_size,
             scale,
             s.force_current_page,
             sinks=sinks,
             quant=quant,
-            **rows.store_args(selections),
+            selections=selections,
         )

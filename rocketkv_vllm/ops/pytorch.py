@@ -23,8 +23,9 @@ import torch
 
 from rocketkv_vllm.algorithm import softmax_with_sinks, window_attention_scores
 from rocketkv_vllm.cache_view import KVView, read_blocks_into, stored
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.layout import kt_bounds, kt_rows_of, physical_slots, split_kv
-from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2, check_store_args
+from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2
 
 # ---- Stage 1 steps (one prompt)
 
@@ -322,34 +323,40 @@ def hsa_decode(
     k_cache: KVView,
     v_cache: KVView,
     kt_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
+    rows: DecodeRows,
     pages: ViewPages,
-    topr: torch.Tensor,
     num_select: torch.Tensor,
-    max_select: int,
     page_size: int,
     scale: float,
     force_current_page: bool,
     sinks: torch.Tensor | None = None,
     selections: torch.Tensor | None = None,
-    sel_slot: torch.Tensor | None = None,
-    reuse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row: KT update, page choice, sparse
-    attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype. sinks:
-    optional [Hq] fp32 sink logits, in the sparse attention's softmax only
-    (the page choice ranks the keys' own mass). selections, sel_slot,
-    reuse: the selection store and each row's slot and reuse flag
-    (``ops.base.Stage2.decode``; ``reuse_selections``)."""
-    check_store_args(selections, sel_slot, reuse)
-    update_kt(k_cache, kt_cache, block_table, seq_lens, page_size)
+    attention. query [B, Hq, d] -> [B, Hq, d] in query.dtype. rows: the
+    decode rows (``DecodeRows``; their block_table, seq_lens, topr,
+    max_select, and sel_slot, reuse with a store), pages their
+    ``view_pages``, num_select [B] (``HsaRows``'). sinks: optional [Hq]
+    fp32 sink logits, in the sparse attention's softmax only (the page
+    choice ranks the keys' own mass). selections: the selection store,
+    read with the rows' slots and reuse flags (``ops.base.Stage2.decode``;
+    ``reuse_selections``; None: they are not read)."""
+    sel_slot, reuse = rows.store_columns(selections)
+    update_kt(k_cache, kt_cache, rows.block_table, rows.seq_lens, page_size)
     top, valid = select_pages(
-        query, kt_cache, pages, topr, num_select, max_select, force_current_page
+        query, kt_cache, pages, rows.topr, num_select, rows.max_select, force_current_page
     )
     if selections is not None:
         top, valid = reuse_selections(
-            top, valid, pages, seq_lens, selections, sel_slot, reuse, num_select, force_current_page
+            top,
+            valid,
+            pages,
+            rows.seq_lens,
+            selections,
+            sel_slot,
+            reuse,
+            num_select,
+            force_current_page,
         )
     out = sparse_attention(query, k_cache, v_cache, pages, top, valid, page_size, scale, sinks)
     return out.to(query.dtype)
@@ -370,14 +377,15 @@ class TorchStage2(Stage2):
 
     def prepare(self, rows: HsaRows) -> None:
         s = self.settings
+        r = rows.decode_rows
         rows.prepared = view_pages(
-            rows.block_table,
-            rows.num_compact,
-            rows.tail_start,
-            rows.seq_lens,
+            r.block_table,
+            r.num_compact,
+            r.tail_start,
+            r.seq_lens,
             s.page_size,
             s.block_size,
-            rows.max_pages,
+            r.max_pages,
         )
 
     def decode(
@@ -399,15 +407,12 @@ class TorchStage2(Stage2):
             k_cache,
             v_cache,
             self._kt(kv_cache),
-            rows.block_table,
-            rows.seq_lens,
+            rows.decode_rows,
             rows.prepared,
-            rows.topr,
             rows.num_select,
-            rows.max_select,
             s.page_size,
             scale,
             s.force_current_page,
             sinks=sinks,
-            **rows.store_args(selections),
+            selections=selections,
         )

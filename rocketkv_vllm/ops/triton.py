@@ -75,30 +75,26 @@ from rocketkv_vllm.kernels._utils import (
     check_kv_cache,
     group_pad,
     kv_operand,
-    row_vectors,
 )
 from rocketkv_vllm.kernels.compact import compact_kept_tokens, write_kt_pages
 from rocketkv_vllm.kernels.hsa_score import ScorePlan, ScoreScratch, launch_score
 from rocketkv_vllm.kernels.page_select import launch_select
+from rocketkv_vllm.kernels.rows import DecodeRows
 from rocketkv_vllm.kernels.sparse_decode import AttentionPlan, AttentionScratch
 from rocketkv_vllm.kernels.window_scores import window_scores
 from rocketkv_vllm.layout import split_kv
 from rocketkv_vllm.ops import base
-from rocketkv_vllm.ops.base import (
-    HsaRows,
-    Stage1,
-    Stage2,
-    check_store_args,
-    scratch_bytes_per_row,
-)
+from rocketkv_vllm.ops.base import HsaRows, Stage1, Stage2, scratch_bytes_per_row
 
 __all__ = [
+    "DecodeRows",
     "DecodeWorkspace",
     "TritonStage1",
     "TritonStage2",
     "compact_kept_tokens",
     "decode_launches",
     "hsa_decode",
+    "hsa_decode_checked",
     "plan_decode",
     "window_scores",
     "write_kt_pages",
@@ -391,26 +387,14 @@ def hsa_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     kt_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_compact: torch.Tensor,
-    tail_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    topk: torch.Tensor,
-    topr: torch.Tensor,
+    rows: DecodeRows,
     page_size: int,
     scale: float,
-    max_pages: int,
-    max_select: int,
     force_current_page: bool = False,
     out: torch.Tensor | None = None,
-    update_kt: bool = True,
-    select_impl: str = "auto",
     sinks: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
-    probs_out: torch.Tensor | None = None,
     selections: torch.Tensor | None = None,
-    sel_slot: torch.Tensor | None = None,
-    reuse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Stage 2 for one decode token per row (its K/V already in the cache at
     slot seq_lens[b] - 1): KT update, page scoring, top-n pages, sparse
@@ -419,39 +403,105 @@ def hsa_decode(
     query [B, Hq, d] (last dim contiguous; cast to the cache dtype);
     k_cache, v_cache [num_blocks, Hkv, bs, d] views (all strides
     arbitrary, the channel dim's included: see ``kernels``);
-    block_table [B, max_blocks] int32 (last dim contiguous); num_compact,
-    tail_start, seq_lens, topk, topr: [B] integer tensors on the device.
-    max_pages (Python int) >= every row's view page count
-    ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps); max_select
-    (Python int) >= every row's max(topk // ps, 1) (with force_current_page
-    the current page is selected on top of those: the buffers get
-    max_select + 1 entries here). Rows with seq_lens <= 0
-    are padding: nothing is written for them (a given ``out`` keeps its
-    values there; an allocated one holds 0).
-    select_impl: "auto" / "triton" (the selection kernel) or "torch"
-    (torch.topk on the probabilities: more launches, for checking).
+    rows: the decode rows (``kernels.rows.DecodeRows``): block_table
+    [B, max_blocks] int32 (last dim contiguous), [B] integer columns on the
+    device; rows.max_pages >= every row's view page count
+    ceil(num_compact/ps) + ceil((seq_len - tail_start)/ps); rows.max_select
+    >= every row's max(topk // ps, 1) (with force_current_page the current
+    page is selected on top of those: the buffers get max_select + 1
+    entries here). Rows with seq_lens <= 0 are padding: nothing is written
+    for them (a given ``out`` keeps its values there; an allocated one
+    holds 0).
     sinks: optional [Hq] fp32 sink logits (``algorithm.sinks``), in the
     sparse attention's softmax only; the page scoring ranks the keys' own
     mass. workspace: the scratch to use (``DecodeWorkspace``; else
-    allocated for this call). probs_out: a [B, Hkv, max_pages] fp32 tensor
-    that receives the page probabilities (each row's own pages only).
-    selections, sel_slot, reuse (all three or none): the selection store
-    int32 [S, Hkv, W] contiguous and per row its slot ([B] int32, -1:
-    none) and reuse flag ([B] int32): ``Stage2.decode``'s contract (a
-    reusing row attends selections[slot, h, :n_use], its KT page still
-    updated, unless those entries are not all pages of its view: then that
-    (row, KV head) selects anew; another row with a slot stores its n_use
-    pages there, in ascending page order, where n_use <= W). Not with
-    probs_out or select_impl "torch".
+    allocated for this call).
+    selections: the selection store int32 [S, Hkv, W] contiguous, read
+    with rows.sel_slot ([B] int32, -1: none) and rows.reuse ([B] int32):
+    ``Stage2.decode``'s contract (a reusing row attends
+    selections[slot, h, :n_use], its KT page still updated, unless those
+    entries are not all pages of its view: then that (row, KV head) selects
+    anew; another row with a slot stores its n_use pages there, in
+    ascending page order, where n_use <= W). None: the rows' slots are not
+    read. The test switches are ``hsa_decode_checked``'s.
     """
-    check_store_args(selections, sel_slot, reuse)
-    if selections is not None:
-        if probs_out is not None or select_impl == "torch":
-            raise ValueError(
-                "hsa_decode: a selection store does not go with probs_out or select_impl='torch'"
-            )
-        if selections.dtype != torch.int32 or not selections.is_contiguous():
-            raise ValueError("hsa_decode: selections must be a contiguous int32 [S, Hkv, W]")
+    return _decode(
+        query,
+        k_cache,
+        v_cache,
+        kt_cache,
+        rows,
+        page_size,
+        scale,
+        force_current_page,
+        out,
+        sinks,
+        workspace,
+        selections,
+    )
+
+
+def hsa_decode_checked(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kt_cache: torch.Tensor,
+    rows: DecodeRows,
+    page_size: int,
+    scale: float,
+    force_current_page: bool = False,
+    out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+    *,
+    update_kt: bool = True,
+    select_impl: str = "auto",
+    probs_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``hsa_decode`` (no selection store) with the tests' switches, kept
+    out of the production entry: update_kt False skips the KT refresh;
+    select_impl "torch" chooses with torch.topk on the probabilities (more
+    launches, for checking; "auto" / "triton": the selection kernel);
+    probs_out: a [B, Hkv, max_pages] fp32 tensor that receives the page
+    probabilities (each row's own pages only)."""
+    if select_impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"select_impl: 'auto', 'triton' or 'torch', not {select_impl!r}")
+    return _decode(
+        query,
+        k_cache,
+        v_cache,
+        kt_cache,
+        rows,
+        page_size,
+        scale,
+        force_current_page,
+        out,
+        sinks,
+        workspace,
+        None,
+        update_kt,
+        select_impl == "torch",
+        probs_out,
+    )
+
+
+def _decode(
+    query,
+    k_cache,
+    v_cache,
+    kt_cache,
+    rows: DecodeRows,
+    page_size: int,
+    scale: float,
+    force_current_page: bool,
+    out,
+    sinks,
+    workspace,
+    selections,
+    update_kt: bool = True,
+    torch_select: bool = False,
+    probs_out: torch.Tensor | None = None,
+) -> torch.Tensor:
     k_view, fp8, _ = kv_operand(k_cache)
     v_view, _, _ = kv_operand(v_cache)
     if query.stride(-1) != 1:
@@ -460,22 +510,19 @@ def hsa_decode(
     query, out, sinks, hkv, _, d, group = sparse_decode._prepare(
         query, k_view, v_view, out, sinks, fp8
     )
+    rows.store_width(selections, hkv)  # checked before any launch
     batch, hq, _ = query.shape
     if batch == 0:
         return out
-    num_compact, tail_start, seq_lens, topk, topr = row_vectors(
-        num_compact, tail_start, seq_lens, topk, topr
-    )
-    if selections is not None:
-        sel_slot, reuse = row_vectors(sel_slot, reuse)
+    rows = rows.flat()
     dev = query.device
     plan = plan_decode(
         batch,
         hq,
         hkv,
         d,
-        max_pages,
-        max_select,
+        rows.max_pages,
+        rows.max_select,
         page_size,
         force_current_page,
         query.dtype,
@@ -487,7 +534,6 @@ def hsa_decode(
     else:
         score_scratch = ScoreScratch.alloc(plan.score, hq, dev)
         attn_scratch = AttentionScratch.alloc(plan.attention, hq, d, dev)
-    torch_select = select_impl == "torch"
     if probs_out is not None:
         assert probs_out.shape == (batch, hkv, plan.score.max_pages) and probs_out.is_contiguous()
         score_scratch.probs = probs_out
@@ -500,43 +546,31 @@ def hsa_decode(
         score_scratch,
         scores_q,
         kt_cache,
-        block_table,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topr,
+        rows,
         page_size,
         k_cache=k_cache if update_kt else None,
-        sel_slot=sel_slot,
-        reuse=reuse,
         selections=selections,
-        topk=None if selections is None else topk,
         force_current_page=force_current_page,
     )
     launch_select(
         plan.score,
         score_scratch,
         hq,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topk,
+        rows,
         page_size,
         force_current_page,
         select=not torch_select,
         write_probs=probs_out is not None or torch_select,
         selections=selections,
-        sel_slot=sel_slot,
-        reuse=reuse,
     )
     if torch_select:
         sel = page_select.select_pages(
             score_scratch.probs,
-            max_select,
-            num_compact,
-            tail_start,
-            seq_lens,
-            topk,
+            rows.max_select,
+            rows.num_compact,
+            rows.tail_start,
+            rows.seq_lens,
+            rows.topk,
             page_size,
             "torch",
             force_current_page,
@@ -547,12 +581,8 @@ def hsa_decode(
         query,
         k_cache,
         v_cache,
-        block_table,
+        rows,
         sel,
-        num_compact,
-        tail_start,
-        seq_lens,
-        topk,
         page_size,
         scale,
         out=out,
@@ -593,7 +623,9 @@ class TritonStage2(Stage2):
     ):
         if out is not None:  # FULL-graph layout: one call, shapes fixed at capture
             return self._decode(query, kv_cache, rows, scale, out, sinks, quant, selections)
-        chunk = self.eager_chunk(query.shape[1], kv_cache.shape[1], rows.max_pages, rows.workspace)
+        chunk = self.eager_chunk(
+            query.shape[1], kv_cache.shape[1], rows.decode_rows.max_pages, rows.workspace
+        )
         batch = query.shape[0]
         if batch <= chunk:
             return self._decode(query, kv_cache, rows, scale, None, sinks, quant, selections)
@@ -650,21 +682,14 @@ class TritonStage2(Stage2):
             k_cache,
             v_cache,
             self._kt(kv_cache),
-            rows.block_table,
-            rows.num_compact,
-            rows.tail_start,
-            rows.seq_lens,
-            rows.topk,
-            rows.topr,
+            rows.decode_rows,
             s.page_size,
             scale,
-            rows.max_pages,
-            rows.max_select,
             s.force_current_page,
             out=out,
             sinks=sinks,
             workspace=rows.workspace,
-            **rows.store_args(selections),
+            selections=selections,
         )
 
     def make_workspace(self, device, num_q_heads, num_kv_heads, head_dim, shapes):
