@@ -8,7 +8,9 @@ device pool has evicted them, and a later request served from the host gives
 the tokens and logprobs it gave when it computed everything itself. A
 ROCKETKV engine with evicted blocks poisoned serves later requests from the
 host at its window cap with caching-off's outputs, and every block it put on
-the host equals the dense engine's block for the same prefix.
+the host equals the dense engine's block for the same prefix: with the host
+tier's synchronous copies and with copies that complete 0-3 steps after their
+issue, as on NVIDIA (``ASYNC_COPIES``).
 """
 
 from __future__ import annotations
@@ -247,17 +249,38 @@ def _exported(name: str) -> float | None:
     return next((s.value for m in REGISTRY.collect() for s in m.samples if s.name == name), None)
 
 
-def _rocketkv_run(model_path, host: bool) -> dict:
+# The host tier's copies complete 0-3 steps after their issue, as on NVIDIA
+# (host_tier.async_cpu_worker; docs/design.md, "Host tier under asynchronous copies").
+ASYNC_COPIES = {"copy_mode": "async", "async_max_delay_steps": 3, "async_seed": 0}
+
+
+def _drain(llm) -> None:
+    """Step the engine until no copy is in flight (vLLM's scheduler keeps
+    stepping while stores are pending; ``generate`` returns before)."""
+    core = llm.llm_engine.engine_core.engine_core
+    for _ in range(100):
+        if not core.scheduler.has_requests():
+            return
+        core.step()
+    raise AssertionError("host-tier copies still in flight after 100 steps")
+
+
+def _rocketkv_run(model_path, host: bool, copies: dict | None = None) -> dict:
     """Four compressed documents through a device pool that holds one dense
     prefill, then two later requests on the first two documents.
-    Given-back blocks poisoned; ``host=False``: prefix caching off."""
+    Given-back blocks poisoned; ``host=False``: prefix caching off;
+    ``copies``: the host tier's copy mode (``ASYNC_COPIES``)."""
     from vllm import SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
     from rocketkv_eval.engines import scheduler
     from rocketkv_vllm.kv_cache import rocketkv_manager
 
     kw = dict(kv_offloading_size=1.0) if host else dict(enable_prefix_caching=False)
+    if copies:
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector_extra_config=dict(copies))
     llm = make_llm(
         model_path,
         "ROCKETKV",
@@ -282,6 +305,7 @@ def _rocketkv_run(model_path, host: bool) -> dict:
         for name, tokens in prompts.items():  # one at a time: a fixed order of evictions
             (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
             outs[name] = out
+        _drain(llm)
         cached = {
             m.labels["source"]: m.value
             for m in llm.get_metrics()
@@ -299,6 +323,10 @@ def _rocketkv_run(model_path, host: bool) -> dict:
             "account": asdict(rocketkv_manager(sched.kv_cache_manager).prefix_account),
             "vllm_loggers_saw": vllm_loggers_saw,
             "exported_host_blocks_stored": _exported("rocketkv:host_blocks_stored_total"),
+            # Store events the async worker finished before a Stage 1 forward.
+            "waits": list(getattr(get_kv_transfer_group().worker_handler, "waits", []))
+            if host
+            else None,
         }
     finally:
         shutdown(llm)
@@ -306,12 +334,22 @@ def _rocketkv_run(model_path, host: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def rocketkv_runs(model_path):
-    return {"host": _rocketkv_run(model_path, True), "off": _rocketkv_run(model_path, False)}
+    """The host tier with synchronous copies ("host") and with async ones
+    ("async"), and prefix caching off ("off")."""
+    return {
+        "host": _rocketkv_run(model_path, True),
+        "async": _rocketkv_run(model_path, True, ASYNC_COPIES),
+        "off": _rocketkv_run(model_path, False),
+    }
+
+
+HOST_COPIES = pytest.mark.parametrize("copies", ["host", "async"])
 
 
 @pytest.mark.engine
-def test_rocketkv_later_requests_are_served_from_the_host(rocketkv_runs):
-    run = rocketkv_runs["host"]
+@HOST_COPIES
+def test_rocketkv_later_requests_are_served_from_the_host(copies, rocketkv_runs):
+    run = rocketkv_runs[copies]
     assert run["device_blocks"] * BLOCK < 2 * 2003  # the documents cannot stay on the device
     outs, prompts = run["outs"], run["prompts"]
     assert all(outs[f"doc-{i}"].num_cached_tokens == 0 for i in range(4))
@@ -326,10 +364,11 @@ def test_rocketkv_later_requests_are_served_from_the_host(rocketkv_runs):
 
 
 @pytest.mark.engine
-def test_rocketkv_with_the_host_tier_equals_caching_off(rocketkv_runs):
+@HOST_COPIES
+def test_rocketkv_with_the_host_tier_equals_caching_off(copies, rocketkv_runs):
     """Host-loaded targets are compacted like computed ones, host-loaded
     middle blocks re-scored by Stage 1: the same tokens and logprobs."""
-    on, off = rocketkv_runs["host"]["outs"], rocketkv_runs["off"]["outs"]
+    on, off = rocketkv_runs[copies]["outs"], rocketkv_runs["off"]["outs"]
     for name, want in off.items():
         got = on[name].outputs[0]
         assert got.token_ids == want.outputs[0].token_ids, name
@@ -338,12 +377,15 @@ def test_rocketkv_with_the_host_tier_equals_caching_off(rocketkv_runs):
 
 
 @pytest.mark.engine
-def test_rocketkv_host_blocks_hold_dense_kv(rocketkv_runs, dense_run):
+@HOST_COPIES
+def test_rocketkv_host_blocks_hold_dense_kv(copies, rocketkv_runs, dense_run):
     """What a compressed engine puts on the host is the dense K/V of its
     token prefix: each host block equals the dense CPU_ATTN engine's block
     for the same document and position (compaction targets included, which
     Stage 1 overwrites on the device right after they are stored)."""
-    pages, dense = rocketkv_runs["host"]["pages"], dense_run["pages"]
+    pages, dense = rocketkv_runs[copies]["pages"], dense_run["pages"]
+    if copies == "async":  # the targets' stores were still pending at some Stage 1
+        assert rocketkv_runs[copies]["waits"]
     docs = _documents()
     # The whole chain of every document from block 0 (targets first).
     assert set(pages) == {(d, j) for d in range(4) for j in range(len(docs[d]) // BLOCK)}
@@ -359,10 +401,11 @@ def test_rocketkv_host_blocks_hold_dense_kv(rocketkv_runs, dense_run):
 
 
 @pytest.mark.engine
-def test_rocketkv_host_tier_account(rocketkv_runs):
+@HOST_COPIES
+def test_rocketkv_host_tier_account(copies, rocketkv_runs):
     """The counters behind rocketkv:host_* (metrics): what was stored,
     loaded and left unused, against what the test's requests imply."""
-    run = rocketkv_runs["host"]
+    run = rocketkv_runs[copies]
     account, docs = run["account"], _documents()
     full = [len(d) // BLOCK for d in docs]  # 62 full blocks per document
     # Every document's full blocks, and the follow-up's one new full block.
@@ -393,8 +436,9 @@ def test_the_account_reaches_rocketkvs_logger_only(rocketkv_runs):
 
 
 @pytest.mark.engine
-def test_rocketkv_host_tier_leaks_nothing(rocketkv_runs):
-    run = rocketkv_runs["host"]
+@HOST_COPIES
+def test_rocketkv_host_tier_leaks_nothing(copies, rocketkv_runs):
+    run = rocketkv_runs[copies]
     assert run["device_free_at_end"] == run["device_blocks"]
     assert run["host_in_use"] == 0
 

@@ -42,7 +42,9 @@ class FakeEngine:
         batched_tokens: int = 128,
         max_num_seqs: int = 4,
         rocketkv: dict | None = None,
+        copy: dict | None = None,
     ):
+        from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -71,6 +73,8 @@ class FakeEngine:
             dtype="float32",
             enforce_eager=True,
             additional_config={"rocketkv": rocketkv or {"prompt_budget": 64}},  # window 32
+            # The host tier's copy mode (test_host_tier_async: "async").
+            kv_transfer_config=KVTransferConfig(kv_connector_extra_config=dict(copy or {})),
         ).create_engine_config()
         config.cache_config.num_gpu_blocks = num_blocks
         self.settings = settings_for(config)
@@ -143,6 +147,7 @@ class FakeEngine:
         # model runner runs them.
         for src, dst in out.kv_cache_block_copies or ():
             self.kv[dst] = self.kv[src]
+        self.worker.handle_preemptions(out.kv_connector_metadata)  # as the runner does
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
         sampled = {}
@@ -401,16 +406,19 @@ def _boundary_lengths(engine, lo: int, hi: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize(
-    "rocketkv,batched_tokens",
+    "rocketkv,batched_tokens,copy",
     [
-        ({"prompt_budget": 70}, 128),  # one chunk
-        ({"prompt_budget": 70}, 48),  # chunked: earlier targets written before
-        ({"prompt_budget": 100, "window_size": 40}, 512),
-        ({"token_budget": 128, "window_size": 32, "max_new_tokens": 16}, 128),  # per length
+        ({"prompt_budget": 70}, 128, None),  # one chunk
+        ({"prompt_budget": 70}, 48, None),  # chunked: earlier targets written before
+        ({"prompt_budget": 100, "window_size": 40}, 512, None),
+        ({"token_budget": 128, "window_size": 32, "max_new_tokens": 16}, 128, None),  # per length
+        # Chunked, copies completing 0-3 steps late (test_host_tier_async): the
+        # Stage 1 step waits for its targets' stores.
+        ({"prompt_budget": 70}, 48, {"copy_mode": "async", "async_seed": 1}),
     ],
 )
 def test_every_cached_block_is_dense_around_the_kept_token_boundary(
-    model_path, rocketkv, batched_tokens
+    model_path, rocketkv, batched_tokens, copy
 ):
     """Each prompt length is asked, then asked again with the device cache
     reset, so the second one is served from the host. After every step every
@@ -419,7 +427,9 @@ def test_every_cached_block_is_dense_around_the_kept_token_boundary(
     reads only dense K/V (forward). The lengths whose targets end at the
     prompt's end stored compacted K/V on the host under dense hashes before
     the Stage 1 step was kept out of the target stores."""
-    engine = FakeEngine(model_path, host_gib=0.01, batched_tokens=batched_tokens, rocketkv=rocketkv)
+    engine = FakeEngine(
+        model_path, host_gib=0.01, batched_tokens=batched_tokens, rocketkv=rocketkv, copy=copy
+    )
     triggers, lengths = _boundary_lengths(engine, 48, 420)
     assert triggers, "no prompt length reaches the boundary case"
     for n in lengths:

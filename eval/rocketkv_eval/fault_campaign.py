@@ -109,6 +109,7 @@ def _engine(
     host_tier: bool = True,
     device_blocks: int | None = None,
     reselect_every: int = 1,
+    host_copies: dict | None = None,
     **kw,
 ):
     from vllm import LLM
@@ -116,6 +117,12 @@ def _engine(
     settings = dict(MODELS[model][role])
     if not host_tier:
         settings.pop("kv_offloading_size", None)
+    if host_tier and host_copies:  # the host tier's copy mode (host_tier.ordering.copy_settings)
+        from vllm.config import KVTransferConfig
+
+        settings["kv_transfer_config"] = KVTransferConfig(
+            kv_connector_extra_config=dict(host_copies)
+        )
     if device_blocks:
         settings["num_gpu_blocks_override"] = device_blocks
     return LLM(
@@ -141,6 +148,7 @@ def abort_storm(
     reselect_every: int = 1,
     max_num_seqs: int | None = 8,
     chaos: bool = False,
+    host_copies: dict | None = None,
 ) -> dict:
     """``policy`` "priority": vLLM's priority scheduling, requests of three
     priorities; a request short of blocks then preempts the running request
@@ -155,7 +163,10 @@ def abort_storm(
     the observation window's and the chunks' boundaries, 1-4 parallel
     samples, two prompts' chunks a step (so several windows span chunks at
     once), each abort aimed at a phase (``PHASES``) chosen among those some
-    live request is in, and an engine that dies recorded, not raised."""
+    live request is in, and an engine that dies recorded, not raised.
+    ``host_copies``: the host tier's ``kv_connector_extra_config`` copy
+    settings, e.g. ``{"copy_mode": "async", "async_seed": 0}`` (copies that
+    complete 0-3 steps after their issue, as on NVIDIA)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
 
     from vllm.inputs import TokensPrompt
@@ -174,6 +185,7 @@ def abort_storm(
         host_tier,
         device_blocks,
         reselect_every,
+        host_copies=host_copies,
         scheduling_policy=policy,
         **sizes,
     )
@@ -927,6 +939,13 @@ def main() -> None:
         help="the abort-and-chaos campaign: --requests shared among CHAOS_CELLS, each "
         "storm checked against lone runs",
     )
+    parser.add_argument(
+        "--async-copies",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="the storm's host tier copies asynchronously (copy_mode async, this async_seed)",
+    )
     parser.add_argument("--servers", action="store_true", help="also the server phase")
     parser.add_argument("--second-user", type=int, default=None, help="uid of server B")
     parser.add_argument(
@@ -967,6 +986,9 @@ def main() -> None:
         host_tier=args.runner == "v1",
         device_blocks=args.device_blocks,
         reselect_every=args.reselect_every,
+        host_copies=None
+        if args.async_copies is None
+        else {"copy_mode": "async", "async_seed": args.async_copies},
     )
     storm["runner"] = args.runner
     result = {"abort_storm": storm}

@@ -8,6 +8,10 @@ tier is a plain buffer and a transfer is a synchronous block copy
 pool) with that worker on CPU; ``--kv-offloading-size`` selects it there.
 What it stores for ROCKETKV is decided in ``store_rules`` (pure functions,
 applied by ``scheduler``); ``pool`` checks the host pool's size at startup.
+``kv_connector_extra_config: {"copy_mode": "async"}`` swaps in a worker whose
+copies complete steps after their issue, as vLLM's CUDA worker's do
+(``async_cpu_worker``); the ordering rules that then matter are in
+``ordering`` (pure) and docs/design.md, "Host tier under asynchronous copies".
 """
 
 from __future__ import annotations

@@ -23,20 +23,40 @@ here to vLLM's pools and requests:
   (``handoff_stores``).
 
 What does not fit the host pool's free blocks is not stored (``fit_host_pool``).
+
+Where copies complete steps after they are issued (vLLM's CUDA worker, the
+``async`` copy mode on CPU), a step whose Stage 1 writes into a block with a
+store still pending names that store in its metadata
+(``RocketKVHostMetadata.wait_store_event``, ``ordering.stores_to_wait``), and
+the worker finishes it before the forward.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler, TransferMeta
+from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
+from rocketkv_vllm.host_tier.ordering import stage1_write_blocks, stores_to_wait
 from rocketkv_vllm.host_tier.store_rules import (
     fit_host_pool,
     handoff_stores,
     host_hit_limit,
+    stage1_step,
     target_stores,
 )
 from rocketkv_vllm.kv_cache import RocketKVManager
+
+
+@dataclass
+class RocketKVHostMetadata(SimpleCPUOffloadMetadata):
+    """vLLM's step metadata plus the store the worker must finish before the
+    step's forward (-1: none): the latest pending store of a block this
+    step's Stage 1 writes (stores complete in event order)."""
+
+    wait_store_event: int = -1
 
 
 class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
@@ -116,9 +136,39 @@ class RocketKVHostScheduler(SimpleCPUOffloadScheduler):
     # -- stores -------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output):
+        wait = -1
         if self.rocketkv is not None:
+            wait = self._stage1_store_wait(scheduler_output)
             self._queue_compressed_prompt_stores(scheduler_output)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        values = {f.name: getattr(meta, f.name) for f in fields(meta)}
+        return RocketKVHostMetadata(**values, wait_store_event=wait)
+
+    def _stage1_store_wait(self, scheduler_output) -> int:
+        """The store this step's forward waits for (``ordering``): the latest
+        pending one (issued by an earlier step, its completion not yet
+        reported) of a block that a prompt ending in this step has Stage 1
+        write into: its targets, compacted; KT pages. -1: none."""
+        pending = {
+            event: transfer.gpu_block_ids
+            for table in (self._store_event_to_blocks, self._abandoned_store_event_to_blocks)
+            for event, transfer in table.items()
+        }
+        if not pending:
+            return -1
+        mgr = self.rocketkv
+        written: list[int] = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = mgr._requests.get(req_id)
+            if request is None or not stage1_step(
+                request.num_computed_tokens, num_new, request.num_prompt_tokens
+            ):
+                continue
+            blocks = mgr.req_to_blocks.get(req_id, [])
+            for j in stage1_write_blocks(mgr.plan_of_request(request), mgr.block_size):
+                if j < len(blocks) and not blocks[j].is_null:
+                    written.append(blocks[j].block_id)
+        return stores_to_wait(written, pending)
 
     def _queue_compressed_prompt_stores(self, scheduler_output) -> None:
         """Stores of compressed prompts' blocks that vLLM's own (one step

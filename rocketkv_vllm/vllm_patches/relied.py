@@ -68,6 +68,8 @@ _MANAGER = "rocketkv_vllm.kv_cache.RocketKVManager"
 _HOST = "rocketkv_vllm.host_tier.scheduler.RocketKVHostScheduler"
 _HOST_CONNECTOR = "rocketkv_vllm.host_tier.connector.HostTierConnector"
 _HOST_WORKER = "rocketkv_vllm.host_tier.cpu_worker.HostCopyWorker"
+_ASYNC_WORKER = "rocketkv_vllm.host_tier.async_cpu_worker.AsyncHostCopyWorker"
+_CUDA_WORKER = "rocketkv_vllm.host_tier.cuda_worker.HostTierCudaWorker"
 _ROCKET_BACKEND = "rocketkv_vllm.backend.RocketKVBackend"
 _IMPL = "rocketkv_vllm.backend.impl.RocketKVImpl"
 _BUILDER = "rocketkv_vllm.backend.metadata.RocketKVMetadataBuilder"
@@ -407,6 +409,7 @@ RELIED_ON: tuple[Relied, ...] = (
             "_find_longest_cache_hit",
             "_find_hit_within_limit",
             "_queue_compressed_prompt_stores",
+            "_stage1_store_wait",
         ),
     ),
     Relied(
@@ -431,7 +434,64 @@ RELIED_ON: tuple[Relied, ...] = (
             ("_interval_load_blocks_completed", "count host blocks loaded"),
             ("enable_kv_cache_events", "store metadata for KV events"),
             ("cpu_kv_cache_config", "a host block's bytes"),
+            ("_store_event_to_blocks", "stores in flight, waited for before Stage 1"),
+            ("_abandoned_store_event_to_blocks", "stores in flight after a cache reset"),
         )
+    ),
+    # -- the async copy mode (host_tier.scheduler metadata, async_cpu_worker) --
+    *_absent(
+        "vllm.v1.simple_kv_offload.metadata",
+        "SimpleCPUOffloadMetadata",
+        "rocketkv_vllm.host_tier.scheduler.RocketKVHostMetadata",
+        ("wait_store_event",),
+    ),
+    *(
+        _override(_OFFLOAD_WORKER, "SimpleCPUOffloadWorker", name, params, _ASYNC_WORKER)
+        for name, params in (
+            ("bind_connector_metadata", ("self", "metadata")),
+            ("_poll_stream_events", ("self", "is_store")),
+            ("_flush_and_sync_all", ("self",)),
+        )
+    ),
+    Relied(
+        _OFFLOAD_WORKER,
+        "SimpleCPUOffloadWorker",
+        "__class__",
+        "swap",
+        "HostTierCudaWorker.adopt turns vLLM's CUDA worker into HostTierCudaWorker "
+        "(worker.__class__ = cls)",
+        _CUDA_WORKER,
+    ),
+    # (_store_hwm, _poll_stream_events: listed above, for the CPU workers.)
+    Relied(
+        _OFFLOAD_WORKER,
+        "SimpleCPUOffloadWorker",
+        "_store_events",
+        "attr",
+        "the CUDA events recorded after each store, waited on before Stage 1",
+        _CUDA_WORKER,
+    ),
+    *_absent(_OFFLOAD_WORKER, "SimpleCPUOffloadWorker", _CUDA_WORKER, ("_recorded_store_event",)),
+    *_absent(
+        _OFFLOAD_WORKER,
+        "SimpleCPUOffloadWorker",
+        _ASYNC_WORKER,
+        (
+            "settings",
+            "waits",
+            "wait_for_stores",
+            "_rng",
+            "_step",
+            "_copies",
+            "_last_due",
+            "_queue",
+            "_thread",
+            "_issue",
+            "_submit_due",
+            "_finish",
+            "_start_thread",
+            "_copy_loop",
+        ),
     ),
     Relied(
         _OFFLOAD,

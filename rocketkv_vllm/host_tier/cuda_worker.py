@@ -1,0 +1,55 @@
+"""Worker half of the host tier on NVIDIA: vLLM's CUDA worker plus the one
+ordering rule it lacks for ROCKETKV (docs/design.md, "Host tier under
+asynchronous copies", rule (a)): before a step's forward, the compute stream
+waits on the CUDA event of the store the scheduler half names
+(``RocketKVHostMetadata.wait_store_event``: the latest pending store of a
+block that step's Stage 1 writes), so compaction runs after that store has
+read the block's dense K/V. The CPU worker waits for its copy thread instead
+(``async_cpu_worker``).
+
+Compiled only: no NVIDIA device has run it yet, and ROCKETKV engines are
+still refused a host tier on NVIDIA (``rocketkv_refusals``); the connector
+uses it for every engine on CUDA, where without ROCKETKV nothing is waited for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+
+class HostTierCudaWorker(SimpleCPUOffloadWorker):
+    """vLLM's ``SimpleCPUOffloadWorker`` (its instance's class is swapped:
+    ``adopt``) whose compute stream waits for the stores the step names."""
+
+    @classmethod
+    def adopt(cls, worker: SimpleCPUOffloadWorker) -> HostTierCudaWorker:
+        worker.__class__ = cls
+        return worker
+
+    def bind_connector_metadata(self, metadata) -> None:
+        super().bind_connector_metadata(metadata)
+        wait = getattr(metadata, "wait_store_event", -1)
+        if wait > self._store_hwm:
+            event = self._recorded_store_event(wait)
+            if event is not None:
+                # Orders the forward's kernels (Stage 1's compaction among
+                # them) after the store's copy on the store stream.
+                torch.cuda.current_stream().wait_event(event)
+
+    def _recorded_store_event(self, event_idx: int):
+        """The CUDA event recorded after store ``event_idx``'s copy, or after a
+        later store on the same stream (stream order covers it); None once
+        the store is known complete. The copy thread records it right after
+        launching the copy, from the queue the store entered in an earlier
+        step: waiting here is for the thread, never for the copy, and a wait
+        on an event not yet recorded would not wait at all."""
+        while True:
+            for idx, event in list(self._store_events):
+                if idx >= event_idx:
+                    return event
+            if self._store_hwm >= event_idx:
+                return None
+            time.sleep(0)
