@@ -68,7 +68,7 @@ def _cases(tokenizer):
     needle = build_needle_prompt(tokenizer, 1000, 0.4, seed=5).token_ids
     doc = make_conversation(tokenizer, 900, 4, seed=11)
     shared = make_conversation(tokenizer, 850, 3, seed=12)
-    extra = make_conversation(tokenizer, 700, 1, seed=13).document
+    extra = make_conversation(tokenizer, 1300, 1, seed=13).document
     mixed = make_conversation(tokenizer, 850, 2, seed=14)
 
     def ask(conv, fact, document=None):
