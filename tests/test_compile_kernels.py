@@ -148,7 +148,9 @@ def with_store(query, k_cache, v_cache, kt_cache, rows, *args, **kw):
 
 
 configs = ck.CI_SUBSET
-targets = [t for t in ("sm_80", "sm_90", "sm_100") if t in ck.supported_targets()]
+# sm_80 and sm_90 (sm_100 builds the kernels without a store in
+# test_every_kernel_compiles_for_each_target)
+targets = [t for t in ("sm_80", "sm_90") if t in ck.supported_targets()]
 with mock.patch.object(ops, "hsa_decode", with_store):
     doc = ck.compile_configs(configs, targets, {"hsa_decode"})
 reuse = {}
