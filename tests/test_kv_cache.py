@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from conftest import same_completion
 
 from rocketkv_eval import capacity
 from rocketkv_vllm.config import parse_config, resolve_settings
@@ -44,17 +45,29 @@ FREED_CFG = {"prompt_budget": 256}
 
 
 @pytest.fixture(scope="module")
-def never_frees(model_path):
+def tiny(model_path):
+    """A tiny random Llama of SmolLM2's head geometry (2 layers): these tests
+    are about blocks (the caches below are sized from its config, so they
+    hold as many blocks as SmolLM2's would) and compare logprobs, which a
+    read of a poisoned or reused block moves."""
+    from rocketkv_eval.tiny_model import prepare_tiny_model
+
+    return prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def never_frees(tiny):
     """The oracle of both cases below: an ample cache that gives nothing back
     (prefix caching off; with it on the tokens are the same, as
     test_prefix_caching asserts)."""
     return _bench().run_capacity(
-        model_path,
+        tiny,
         "ROCKETKV",
         FREED_PROMPTS,
         1 << 30,
         dict(FREED_CFG, free_evicted_blocks=False),
         max_tokens=20,
+        logprobs=True,
         max_model_len=4096,
         dtype="float32",
         engine_kw={"enable_prefix_caching": False},
@@ -63,7 +76,7 @@ def never_frees(model_path):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_caching, never_frees):
+def test_freed_blocks_are_never_read_and_nothing_leaks(tiny, prefix_caching, never_frees):
     """Freed blocks are poisoned before they go back (with prefix caching
     their KT pages only: their K/V stay valid cache entries), then reused by
     other requests under a tight cache (with preemptions); outputs must
@@ -74,21 +87,24 @@ def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_cachin
     # Room for ~4200 tokens with KT pages (5300 without; the engine needs one
     # max_model_len request);
     # the six prompts need about 9700.
-    tight_bytes = bench.kv_bytes_for_tokens(model_path, 5300, 4)
+    tight_bytes = bench.kv_bytes_for_tokens(tiny, 5300, 4)
     tight = bench.run_capacity(
-        model_path,
+        tiny,
         "ROCKETKV",
         prompts,
         tight_bytes,
         cfg,
         testing={"poison_evicted_blocks": True},
         max_tokens=20,
+        logprobs=True,
         max_model_len=4096,
         dtype="float32",
         engine_kw=caching,
     )
     assert tight.finished == ample.finished == len(prompts)
-    assert tight.outputs == ample.outputs
+    assert tight.outputs.keys() == ample.outputs.keys()
+    for rid, want in ample.outputs.items():
+        assert same_completion(tight.outputs[rid], want), rid
     # The tight cache only fits everything because blocks were given back.
     total_dense_blocks = sum(math.ceil((len(p) + 20) / 32) for p in prompts)
     assert tight.num_blocks < total_dense_blocks
@@ -97,7 +113,7 @@ def test_freed_blocks_are_never_read_and_nothing_leaks(model_path, prefix_cachin
 
 
 @pytest.mark.engine
-def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
+def test_aborts_and_preemptions_leak_no_blocks(tiny, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -105,13 +121,13 @@ def test_aborts_and_preemptions_leak_no_blocks(model_path, monkeypatch):
     bench = _bench()
     # ~2400 tokens of cache (with KT pages) for requests needing ~9000.
     llm = LLM(
-        model=model_path,
+        model=tiny,
         attention_backend="ROCKETKV",
         max_model_len=2304,
         enforce_eager=True,
         dtype="float32",
         block_size=32,
-        kv_cache_memory_bytes=bench.kv_bytes_for_tokens(model_path, 3000, 4),
+        kv_cache_memory_bytes=bench.kv_bytes_for_tokens(tiny, 3000, 4),
         max_num_batched_tokens=512,
         max_num_seqs=8,
         additional_config={"rocketkv": {"prompt_budget": 256}},

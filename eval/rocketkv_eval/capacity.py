@@ -88,7 +88,10 @@ def run_capacity(
     max_model_len: int = 8192,
     engine_kw: dict | None = None,
     testing: dict | None = None,
+    logprobs: bool = False,
 ) -> CapacityResult:
+    """One batch of ``prompts`` through a fresh engine with ``kv_cache_bytes``
+    of KV cache; ``logprobs``: each output is (token ids, their logprobs)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -127,19 +130,27 @@ def run_capacity(
         return original_preempt(*args, **kwargs)
 
     sched._preempt_request = counting_preempt
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1 if logprobs else None
+    )
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, toks in zip(ids, prompts):
         engine.add_request(rid, TokensPrompt(prompt_token_ids=toks), params)
 
     peak = 0
     after_prefill: dict[str, int] = {}
-    outputs: dict[str, list[int]] = {}
+    outputs: dict[str, list[int] | tuple[list[int], list[float]]] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                o = out.outputs[0]
+                tokens = list(o.token_ids)
+                outputs[out.request_id] = (
+                    (tokens, [step[t].logprob for step, t in zip(o.logprobs, tokens)])
+                    if logprobs
+                    else tokens
+                )
         decoding = [r for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
         peak = max(peak, len(decoding))
         for r in decoding:
