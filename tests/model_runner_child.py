@@ -45,10 +45,13 @@ def _preempt_scenario():
     from transformers import AutoTokenizer
 
     from rocketkv_eval.capacity import kv_bytes_for_tokens
-    from rocketkv_eval.model import prepare_default_model
     from rocketkv_eval.needle import build_needle_prompt
+    from rocketkv_eval.tiny_model import prepare_tiny_model
 
-    model = prepare_default_model()
+    # SmolLM2's tokenizer and head geometry, 2 random layers: the scenario is
+    # about scheduling (the cache is sized from the model's config, so it
+    # holds the same blocks), and the outputs are compared by logprobs.
+    model = prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
     tok = AutoTokenizer.from_pretrained(model)
     doc = build_needle_prompt(tok, 1000, 0.4, seed=21).prompt
     # (prompt, own budget, new tokens). Request 0's prefill runs 256 tokens a
