@@ -19,14 +19,17 @@
 #   kernels        GPU_CHECK_KERNELS_S=100       compile check + Triton kernel tests, on CUDA
 #   gpu-tests-1    GPU_CHECK_TESTS1_S=220        tests/test_gpu.py::TestOnGPU: FLASH_ATTN, ROCKETKV
 #                                                (FULL graphs), PIECEWISE, fp8 KT engines
-#   part 2 (limits add up to 350 s):
+#   part 2 (limits add up to 310 s; 440 s with bench-e2e):
+#   gpu-tests-host GPU_CHECK_TESTS_HOST_S=90     tests/test_gpu.py::TestOnGPUHostTier: ROCKETKV with a
+#                                                host tier (vLLM's CUDA worker) vs caching off, 4 turns
 #   gpu-tests-2    GPU_CHECK_TESTS2_S=150        tests/test_gpu.py::TestOnGPUFp8CacheAndServe: the
 #                                                fp8 KV cache engines, `vllm serve`
 #   bench-kernels  GPU_CHECK_BENCH_KERNELS_S=70  scripts/bench_kernels.py: decode attention per layer,
 #                                                trtllm vs FLASH_ATTN, 4k/32k/128k x batch 1/8 (the full
 #                                                grid and the before/after: scripts/gpu_speed.sh)
-#   bench-e2e      GPU_CHECK_BENCH_E2E_S=130     scripts/bench_e2e.py, 16 x 7,800 tokens + 128,
-#                                                FLASH_ATTN vs ROCKETKV
+#   bench-e2e      GPU_CHECK_BENCH_E2E_S=0       scripts/bench_e2e.py, 16 x 7,800 tokens + 128,
+#                                                FLASH_ATTN vs ROCKETKV (skipped unless given a limit,
+#                                                e.g. 130: scripts/gpu_speed.sh measures end to end)
 # Every pytest step runs with -v: a step cut by its limit still names what passed and failed.
 # The torch.compile cache (~/.cache/vllm) is left on: a rerun on a warm machine reuses it.
 # Results, written as each step ends, in $OUT (default results/gpu): summary.txt (card, versions,
@@ -85,13 +88,15 @@ if in_part 1; then
     "tests/test_gpu.py::TestOnGPU" --junitxml="$OUT/gpu-tests-1.xml"
 fi
 if in_part 2; then
+  step gpu-tests-host "${GPU_CHECK_TESTS_HOST_S:-90}" "$PY" -m pytest -v -s -rs -p no:cacheprovider \
+    "tests/test_gpu.py::TestOnGPUHostTier" --junitxml="$OUT/gpu-tests-host.xml"
   step gpu-tests-2 "${GPU_CHECK_TESTS2_S:-150}" "$PY" -m pytest -v -s -rs -p no:cacheprovider \
     "tests/test_gpu.py::TestOnGPUFp8CacheAndServe" --junitxml="$OUT/gpu-tests-2.xml"
   T=${GPU_CHECK_BENCH_KERNELS_S:-70}
   step bench-kernels "$T" "$PY" scripts/bench_kernels.py --configs preset=trtllm \
     --methods dense_flash_attn,rocketkv --contexts 4096,32768,131072 --batches 1,8 \
     --stage1-context 0 --time-budget $((T > 30 ? T - 20 : 10)) --out "$OUT/kernels-h200.json"
-  step bench-e2e "${GPU_CHECK_BENCH_E2E_S:-130}" "$PY" scripts/bench_e2e.py \
+  step bench-e2e "${GPU_CHECK_BENCH_E2E_S:-0}" "$PY" scripts/bench_e2e.py \
     ${ROCKETKV_GPU_MODEL:+--model "$ROCKETKV_GPU_MODEL"} --prompts 16 --prompt-tokens 7800 \
     --new-tokens 128 --kv-cache-gib 6 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.2 \
     --out "$OUT/e2e-h200.json"

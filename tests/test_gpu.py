@@ -29,6 +29,15 @@ engines its tests use. ``TestOnGPU`` (part 1):
 * ``vllm serve --attention-backend ROCKETKV`` answers a chat request and a
   compressed long completion (counted on ``/metrics``).
 
+``TestOnGPUHostTier`` (part 2, its first step):
+
+* ROCKETKV with a host tier (``kv_offloading_size``; vLLM's CUDA offloading
+  worker, adopted by ``host_tier.cuda_worker.HostTierCudaWorker``): a 4-turn
+  chat over a ~2,500-token document, each turn's prompt the whole chat so far
+  and compressed, the device's prefix cache reset before each later turn so
+  that its prefix is loaded from the host; each turn gives the greedy tokens
+  of the same engine with prefix caching off (same tie rule).
+
 One engine per configuration (module-scoped fixtures: FLASH_ATTN, ROCKETKV
 with vLLM's default graphs, fp8 KT, PIECEWISE, TRITON_ATTN and ROCKETKV on
 an fp8 cache), each started in this process
@@ -237,6 +246,32 @@ def test_check_engines_and_server_arguments_make_vllm_configs(model_path):
     assert cfg.additional_config == {"rocketkv": {"token_budget": BUDGET}}
 
 
+def test_host_tier_chat_prompts_grow_by_turn_and_its_engines_make_vllm_configs(model_path):
+    """The host-tier check's chat: each turn's prompt extends the one before
+    (so a later turn's prefix is the earlier turns' cached blocks), the first
+    one ~2,500 tokens (compressed at budget 256); its engines' arguments are
+    accepted by vLLM (here its CPU build)."""
+    from transformers import AutoTokenizer
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rocketkv_vllm.host_tier import CONNECTOR_NAME
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = host_tier_chat(tokenizer, host_tier_document(tokenizer))
+    assert len(prompts) == len(HOST_TIER_TURNS)
+    assert 2400 < len(prompts[0]) < 2700 and len(prompts[-1]) < 4096 - 16
+    for shorter, longer in zip(prompts, prompts[1:]):
+        assert longer[: len(shorter)] == shorter and len(longer) > len(shorter) + 8
+    for host in (True, False):
+        kw = host_tier_engine_kwargs(model_path, host)
+        kw.update(dtype="float32")  # vLLM's CPU build: no bf16 on every CPU
+        cfg = EngineArgs(**kw).create_engine_config()
+        assert cfg.cache_config.enable_prefix_caching is host
+        assert (cfg.kv_transfer_config is not None) is host
+        if host:  # on CPU: the host tier's connector (on NVIDIA too for ROCKETKV)
+            assert cfg.kv_transfer_config.kv_connector == CONNECTOR_NAME
+
+
 def test_gpu_model_pack_rebuilds_the_prepared_model_bit_for_bit(model_path, tmp_path):
     """scripts/gpu_model.py: the GGUF + metadata that travel to the GPU host rebuild the
     prepared model exactly (``pack`` runs the host's ``rebuild`` here; ~15 s)."""
@@ -410,6 +445,117 @@ def _compressed(run: dict, set_name: str) -> int:
     return counters["prompts_compressed"]
 
 
+HOST_TIER_GIB = 0.5  # the chat's dense history is ~90 MB of bf16 K/V and KT pages
+HOST_TIER_TURNS = (
+    ("Summarize the document above in two sentences.", "It is a long text about many things."),
+    ("What is the secret passphrase in it?", "Let me look for it."),
+    ("Which part of the document mentions the passphrase?", "Somewhere in the middle."),
+    ("Repeat the passphrase, then say what it is for.", None),
+)
+
+
+def host_tier_document(tokenizer, num_tokens: int = 2500) -> str:
+    """A needle case's user message (~``num_tokens`` tokens: its haystack and
+    question), cut out of the chat template around it."""
+    marker = "@@DOCUMENT@@"
+    template = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    before, after = template.split(marker)
+    prompt = build_needle_prompt(tokenizer, num_tokens, 0.5, seed=4).prompt
+    assert prompt.startswith(before) and prompt.endswith(after)
+    return prompt[len(before) : len(prompt) - len(after)]
+
+
+def host_tier_chat(tokenizer, document: str) -> list[list[int]]:
+    """The token ids of each turn's prompt: the whole chat so far (the
+    document and each question as the user, canned answers as the assistant,
+    so both engines see the same prompts), ending in the assistant's turn."""
+    messages, prompts = [], []
+    for i, (question, answer) in enumerate(HOST_TIER_TURNS):
+        content = f"{document}\n\n{question}" if i == 0 else question
+        messages.append({"role": "user", "content": content})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(list(tokenizer.encode(text, add_special_tokens=False)))
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    return prompts
+
+
+def host_tier_engine_kwargs(model: str, host: bool) -> dict:
+    """The host-tier check's ROCKETKV engine (``token_budget`` 256, eager: no
+    graphs to capture): with a host tier (prefix caching on) or caching off."""
+    kw = engine_kwargs(model, "ROCKETKV", {"token_budget": BUDGET})
+    del kw["compilation_config"]
+    kw.update(enforce_eager=True, max_model_len=4096)
+    if host:
+        kw.update(enable_prefix_caching=True, kv_offloading_size=HOST_TIER_GIB)
+    return kw
+
+
+def _run_chat(model: str, prompts: list[list[int]], host: bool) -> dict:
+    """One engine (``host_tier_engine_kwargs``) runs the chat's turns one at
+    a time. ``host``: with a host tier, the device's prefix cache reset
+    before each later turn (once the copies in flight have completed), so
+    its hit comes from the host; else prefix caching off. Returns per turn
+    the outputs and ``num_cached_tokens``; the host tier's account (blocks
+    stored, loaded), the worker's class and its Stage 1 store waits."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from rocketkv_vllm.kv_cache import rocketkv_manager
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        llm = LLM(**host_tier_engine_kwargs(model, host))
+    res: dict = {"outputs": [], "cached": []}
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+        for i, prompt in enumerate(prompts):
+            if host and i > 0:
+                for _ in range(200):  # stores still in flight hold their blocks
+                    if not core.scheduler.has_requests():
+                        break
+                    core.step_fn()
+                assert llm.reset_prefix_cache(), "device prefix cache not reset"
+            (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            res["cached"].append(out.num_cached_tokens)
+            res["outputs"].append(
+                {
+                    "token_ids": list(out.outputs[0].token_ids),
+                    "text": out.outputs[0].text,
+                    "top2": [
+                        sorted(((t, lp.logprob) for t, lp in s.items()), key=lambda x: -x[1])[:2]
+                        for s in out.outputs[0].logprobs
+                    ],
+                }
+            )
+        account = rocketkv_manager(core.scheduler.kv_cache_manager).prefix_account
+        res["host_blocks_loaded"] = account.host_blocks_loaded
+        res["host_blocks_stored"] = account.host_blocks_stored
+        worker = get_kv_transfer_group().worker_handler if has_kv_transfer_group() else None
+        res["worker"] = type(worker).__name__ if worker is not None else None
+        res["waits"] = list(getattr(worker, "waits", []))
+        res["compressed"] = (_counters(llm) or {}).get("prompts_compressed")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        cleanup_dist_env_and_memory()
+    return res
+
+
+@pytest.fixture(scope="module")
+def host_tier_runs(gpu_model, gpu_tokenizer):
+    prompts = host_tier_chat(gpu_tokenizer, host_tier_document(gpu_tokenizer))
+    return {
+        "prompts": prompts,
+        "host": _run_chat(gpu_model, prompts, host=True),
+        "off": _run_chat(gpu_model, prompts, host=False),
+    }
+
+
 class TestOnGPU:
     pytestmark = GPU_MARKS
 
@@ -490,6 +636,31 @@ class TestOnGPUFp8CacheAndServe:
         finally:
             log = server.stop()
         assert "ROCKETKV settings" in log
+
+
+class TestOnGPUHostTier:
+    pytestmark = GPU_MARKS
+
+    def test_host_tier_chat_loads_later_turns_from_the_host_and_equals_caching_off(
+        self, host_tier_runs
+    ):
+        runs = host_tier_runs
+        host, off = runs["host"], runs["off"]
+        print(
+            f"host tier: prompts {[len(p) for p in runs['prompts']]}, cached {host['cached']}, "
+            f"blocks stored {host['host_blocks_stored']}, loaded {host['host_blocks_loaded']}, "
+            f"worker {host['worker']}, Stage 1 store waits {host['waits']}"
+        )
+        assert host["worker"] == "HostTierCudaWorker"  # vLLM's CUDA worker, adopted
+        assert host["compressed"] == off["compressed"] == len(runs["prompts"])
+        # the device's cache was reset before each later turn: its hit is the host's
+        cached = host["cached"]
+        assert cached[0] == 0 and all(c > 1000 for c in cached[1:]), cached
+        assert host["host_blocks_loaded"] > 0
+        assert off["cached"] == [0] * len(runs["prompts"])
+        for turn, (want, got) in enumerate(zip(off["outputs"], host["outputs"])):
+            res = compare_tokens([want], [got])
+            assert res["status"] != "FAIL", f"turn {turn + 1}: " + "\n".join(res["rows"])
 
 
 class _CheckServer(Server):

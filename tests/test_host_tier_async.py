@@ -4,7 +4,10 @@ and completion path, and the host-tier scheduler scenarios
 (``test_host_tier_scheduler.FakeEngine``: vLLM's real scheduler and the
 connector's real worker half around a fake forward, every block any tier holds
 under a hash checked against the dense K/V of its prefix after every step)
-with copies that complete 0-3 steps after their issue.
+with copies that complete 0-3 steps after their issue; and the NVIDIA path
+with vLLM's platform faked as CUDA (not refused, the connector selected for
+ROCKETKV engines, vLLM's CUDA worker adopted and its compute stream made to
+wait for a Stage 1 step's store, with fake streams, events and copy thread).
 
 The rules each of these tests holds (docs/design.md, "Host tier under
 asynchronous copies"): (a) a store reads a block before Stage 1 writes into it
@@ -241,6 +244,179 @@ def test_the_cuda_worker_makes_the_compute_stream_wait_for_the_named_store(monke
     recorded.start()
     worker.bind_connector_metadata(RocketKVHostMetadata(wait_store_event=7))
     assert waited == ["after-3", "after-7"]
+
+
+# -- the NVIDIA path, with vLLM's platform faked as CUDA ----------------------
+
+
+class _Platform:
+    """vLLM's ``current_platform`` as far as the host tier asks it."""
+
+    def __init__(self, device_name: str) -> None:
+        self.device_name = device_name
+
+    def is_cpu(self) -> bool:
+        return self.device_name == "cpu"
+
+    def is_cuda(self) -> bool:
+        return self.device_name == "cuda"
+
+
+def _host_tier_config(model_path, **kw):
+    """A ROCKETKV engine's VllmConfig with ``--kv-offloading-size`` (built on
+    vLLM's CPU build: its connector is the host tier's)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rocketkv_vllm.plugin import register
+
+    register()
+    args = dict(dtype="float32", max_model_len=1024, enforce_eager=True, kv_offloading_size=0.01)
+    args.update(kw)
+    return EngineArgs(model=model_path, attention_backend="ROCKETKV", **args).create_engine_config()
+
+
+def test_on_nvidia_rocketkv_engines_get_the_host_tier_and_are_not_refused(model_path, monkeypatch):
+    """With vLLM's platform CUDA: ``--kv-offloading-size`` names vLLM's
+    offloading connector, which a ROCKETKV engine trades for the host tier's
+    (a dense engine keeps vLLM's); the host tier is not refused there, every
+    other refusal stands, and platforms other than CPU and CUDA are refused
+    by name."""
+    from types import SimpleNamespace
+
+    import vllm.platforms
+
+    from rocketkv_vllm.host_tier import (
+        CONNECTOR_NAME,
+        rocketkv_refusals,
+        select_host_tier_connector,
+    )
+
+    config = _host_tier_config(model_path)
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform("cuda"))
+
+    def selected(connector: str, rocketkv: bool) -> str:
+        cfg = SimpleNamespace(
+            cache_config=SimpleNamespace(kv_offloading_size=1.0, kv_offloading_backend="native"),
+            kv_transfer_config=SimpleNamespace(kv_connector=connector),
+        )
+        select_host_tier_connector(cfg, rocketkv)
+        return cfg.kv_transfer_config.kv_connector
+
+    for vllms in ("OffloadingConnector", "SimpleCPUOffloadConnector"):
+        assert selected(vllms, rocketkv=True) == CONNECTOR_NAME
+        assert selected(vllms, rocketkv=False) == vllms
+    assert rocketkv_refusals(config) == []
+    monkeypatch.setattr(config.cache_config, "enable_prefix_caching", False)
+    assert any("prefix caching" in r for r in rocketkv_refusals(config))
+    monkeypatch.setattr(config.cache_config, "enable_prefix_caching", True)
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform("xpu"))
+    assert selected("OffloadingConnector", rocketkv=True) == "OffloadingConnector"
+    (reason,) = rocketkv_refusals(config)
+    assert "'xpu'" in reason and "offloading" in reason
+
+
+class _Event:
+    """A CUDA event: ``record`` names what the stream ran before it."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+        self.done = False  # what the device would answer (query)
+
+    def query(self) -> bool:
+        return self.done
+
+    def record(self, stream) -> None:
+        self.name = self.name or f"{stream.name}-done"
+
+    def wait(self, stream) -> None:  # torch.cuda.Stream.wait_event calls it
+        stream.log.append(("wait", stream.name, self.name))
+
+
+class _Stream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event) -> None:
+        event.wait(self)
+
+
+class _CopyBackend:
+    """vLLM's ``DmaCopyBackend`` as the worker sees it: ``launch_copy`` queues
+    the copy to a thread, which records the copy's event into the worker's
+    list after the copy (here late: ``lag_s``)."""
+
+    def __init__(self, log: list, lag_s: float) -> None:
+        import queue
+        import threading
+
+        self.log, self.lag_s = log, lag_s
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def launch_copy(self, src, dst, is_store, event_idx, events_list, wait_event=None):
+        self.queue.put((is_store, event_idx, events_list))
+
+    def _loop(self) -> None:
+        import time
+
+        while True:
+            is_store, event_idx, events_list = self.queue.get()
+            time.sleep(self.lag_s)
+            kind = "store" if is_store else "load"
+            self.log.append(("copy", kind, event_idx))
+            events_list.append((event_idx, _Event(f"{kind}-{event_idx}")))
+
+
+def test_on_nvidia_the_connector_wraps_vllms_worker_and_stage1_waits_for_the_store(
+    model_path, monkeypatch
+):
+    """The connector's worker half on CUDA is vLLM's CUDA worker adopted by
+    ``HostTierCudaWorker``; driven in vLLM's worker order (bind, forward,
+    loads, stores, completions) over a copy thread that records each
+    store's event late, the step whose metadata names a pending store makes
+    the compute stream wait on that store's event before its forward (rule
+    (a)); the other steps add no wait."""
+    import vllm.platforms
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    from rocketkv_vllm.host_tier.connector import HostTierConnector
+    from rocketkv_vllm.host_tier.cuda_worker import HostTierCudaWorker
+    from rocketkv_vllm.host_tier.scheduler import RocketKVHostMetadata
+
+    config = _host_tier_config(model_path)
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform("cuda"))
+    connector = HostTierConnector(config, KVConnectorRole.WORKER, None)
+    worker = connector.worker_handler
+    assert type(worker) is HostTierCudaWorker
+
+    log: list = []
+    compute = _Stream("compute", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: compute)
+    monkeypatch.setattr(torch, "Event", _Event)  # vLLM's compute-done event before a store
+    worker._backend = _CopyBackend(log, lag_s=0.05)
+
+    def step(n: int, meta):
+        connector.bind_connector_metadata(meta)
+        log.append(("forward", n))
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        connector.get_finished(set())
+        connector.clear_connector_metadata()
+        return connector.build_connector_worker_meta()
+
+    # step 1 completes a target and stores it (event 0); step 2, its
+    # prompt's Stage 1 step, compacts into it; step 3 names nothing.
+    store = SimpleCPUOffloadMetadata(store_event=0, store_gpu_blocks=[3], store_cpu_blocks=[0])
+    assert step(1, store) is None
+    assert step(2, RocketKVHostMetadata(wait_store_event=0)) is None  # on the device still
+    worker._store_events[0][1].done = True
+    done = step(3, RocketKVHostMetadata())
+    assert done is not None and done.completed_store_events == {0: 1}  # vLLM's report
+    waits = [entry for entry in log if entry[0] == "wait"]
+    assert waits == [("wait", "compute", "store-0")], log
+    assert log.index(("copy", "store", 0)) < log.index(waits[0]) < log.index(("forward", 2))
+    assert worker.waits == [0]
 
 
 # -- the scheduler scenarios under asynchronous copies ------------------------

@@ -153,7 +153,7 @@ def test_kv_offloading_is_served_by_the_host_tier_only(model_path):
 
     assert "lmcache" in refused(kv_offloading_size=1.0, kv_offloading_backend="lmcache")
     assert "prefix caching" in refused(kv_offloading_size=1.0, enable_prefix_caching=False)
-    for connector in ("OffloadingConnector", "SimpleCPUOffloadConnector", "NixlConnector"):
+    for connector in ("OffloadingConnector", "SimpleCPUOffloadConnector", "NixlPushConnector"):
         transfer = {"kv_connector": connector, "kv_role": "kv_both"}
         assert connector in refused(kv_transfer_config=transfer)
     lazy = {

@@ -85,6 +85,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="host tier size for the +host methods (GiB of host memory, vLLM's "
         "--kv-offloading-size)",
     )
+    ap.add_argument(
+        "--host-copies",
+        choices=("sync", "async"),
+        default="sync",
+        help="the host tier's copies on vLLM's CPU build: sync (done in the step that issues "
+        "them) or async (a background thread, each done 0-3 steps later, seeded by --seed: "
+        "how vLLM's CUDA worker completes them)",
+    )
     ap.add_argument("--rocketkv", default='{"token_budget": 256}', help="ROCKETKV settings (JSON)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=8192)
@@ -193,6 +201,16 @@ def run_method(args, method: str, model: str, tokenizer, conversations, kv_bytes
         kw["kv_cache_memory_bytes"] = kv_bytes
     if host:
         kw["kv_offloading_size"] = args.host_gib
+        if args.host_copies == "async":
+            from vllm.config import KVTransferConfig
+
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector_extra_config={
+                    "copy_mode": "async",
+                    "async_max_delay_steps": 3,
+                    "async_seed": args.seed,
+                }
+            )
     if rocketkv:
         kw["attention_backend"] = "ROCKETKV"
         kw["additional_config"] = {"rocketkv": json.loads(args.rocketkv)}

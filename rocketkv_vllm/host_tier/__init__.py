@@ -1,17 +1,21 @@
-"""A host-memory tier for the KV cache (vLLM's KV offloading) on vLLM's CPU build.
+"""A host-memory tier for the KV cache (vLLM's KV offloading), on vLLM's CPU
+build and on NVIDIA.
 
-vLLM's offloading workers copy with CUDA streams and run only on CUDA/XPU.
-On the CPU build the KV cache already lives in host memory, so the second
-tier is a plain buffer and a transfer is a synchronous block copy
-(``cpu_worker.HostCopyWorker``). ``connector.HostTierConnector`` is vLLM's
-``SimpleCPUOffloadConnector`` (eager stores, prefix-cache hashes, LRU host
-pool) with that worker on CPU; ``--kv-offloading-size`` selects it there.
-What it stores for ROCKETKV is decided in ``store_rules`` (pure functions,
-applied by ``scheduler``); ``pool`` checks the host pool's size at startup.
-``kv_connector_extra_config: {"copy_mode": "async"}`` swaps in a worker whose
-copies complete steps after their issue, as vLLM's CUDA worker's do
-(``async_cpu_worker``); the ordering rules that then matter are in
-``ordering`` (pure) and docs/design.md, "Host tier under asynchronous copies".
+``connector.HostTierConnector`` is vLLM's ``SimpleCPUOffloadConnector``
+(eager stores, prefix-cache hashes, LRU host pool) with ROCKETKV's rules on
+its scheduler half (what it stores: ``store_rules``, pure functions applied
+by ``scheduler``; ``pool`` checks the host pool's size at startup) and, on its
+worker half, a worker per platform. vLLM's offloading workers copy with CUDA
+streams: on the CPU build, where the KV cache already lives in host memory,
+the second tier is a plain buffer and a transfer a synchronous block copy
+(``cpu_worker.HostCopyWorker``), or, with ``kv_connector_extra_config:
+{"copy_mode": "async"}``, a copy that completes steps after its issue as on
+CUDA (``async_cpu_worker``); on NVIDIA it is vLLM's CUDA worker, its compute
+stream waiting for the stores a Stage 1 step names (``cuda_worker``).
+``--kv-offloading-size`` selects the connector on CPU (every engine) and for
+ROCKETKV engines on NVIDIA (``select_host_tier_connector``). The ordering
+rules that asynchronous copies need are in ``ordering`` (pure) and
+docs/design.md, "Host tier under asynchronous copies".
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ def register_connector() -> None:
         )
 
 
-def select_host_tier_connector(vllm_config) -> None:
+def select_host_tier_connector(vllm_config, rocketkv: bool) -> None:
     """``--kv-offloading-size`` with the native backend names one of vLLM's
-    offloading connectors, whose workers run only on CUDA/XPU; on vLLM's CPU
-    build the same flags get the host-tier connector (every backend: dense
-    engines too)."""
+    offloading connectors (``OffloadingConnector``, or
+    ``SimpleCPUOffloadConnector`` under ``VLLM_USE_SIMPLE_KV_OFFLOAD=1``),
+    whose workers run only on CUDA/XPU and which know nothing of ROCKETKV's
+    compaction. The same flags get the host-tier connector on vLLM's CPU build
+    (every backend: dense engines too) and for ROCKETKV engines on NVIDIA
+    (dense engines there keep vLLM's choice). ``rocketkv``: whether the
+    engine's attention backend is ROCKETKV (``engine.is_rocketkv_engine``)."""
     from vllm.platforms import current_platform
 
     cache = vllm_config.cache_config
@@ -44,7 +52,7 @@ def select_host_tier_connector(vllm_config) -> None:
         and cache.kv_offloading_backend == "native"
         and transfer is not None
         and transfer.kv_connector in ("OffloadingConnector", "SimpleCPUOffloadConnector")
-        and current_platform.is_cpu()
+        and (current_platform.is_cpu() or (current_platform.is_cuda() and rocketkv))
     ):
         transfer.kv_connector = CONNECTOR_NAME
 
@@ -58,13 +66,20 @@ def has_host_tier(vllm_config) -> bool:
 
 def rocketkv_refusals(vllm_config) -> list[str]:
     """What a ROCKETKV engine cannot run of the KV offloading / connector
-    settings, each named ([] when the host tier can serve it)."""
+    settings, each named ([] when the host tier or, for disaggregated
+    prefill and decode, NIXL pull mode can serve it: ``rocketkv_vllm.pd``)."""
     from vllm.platforms import current_platform
 
     cache, transfer = vllm_config.cache_config, vllm_config.kv_transfer_config
     wants_flag = cache.kv_offloading_size is not None
     if not wants_flag and transfer is None:
         return []
+    from rocketkv_vllm.pd import NIXL_PULL_CONNECTORS, NIXL_PUSH_CONNECTORS, nixl_refusals
+
+    if not wants_flag and transfer.kv_connector in NIXL_PULL_CONNECTORS + NIXL_PUSH_CONNECTORS:
+        # Disaggregated prefill and decode (``rocketkv_vllm.pd``): dense
+        # requests through it, compressed ones refused per request.
+        return nixl_refusals(vllm_config)
     if not wants_flag and transfer.kv_connector != CONNECTOR_NAME:
         return [
             f"KV connector {transfer.kv_connector} (a transferred cache would miss "
@@ -83,9 +98,9 @@ def rocketkv_refusals(vllm_config) -> list[str]:
         reasons.append(
             "KV cache offloading without prefix caching (the host tier is a prefix cache)"
         )
-    if not current_platform.is_cpu():
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
         reasons.append(
-            "KV cache offloading outside vLLM's CPU build for now (on NVIDIA a store "
-            "of a compaction target could overlap the next step's compaction)"
+            f"KV cache offloading on {current_platform.device_name!r} (the host tier "
+            f"runs on vLLM's CPU build and on NVIDIA only)"
         )
     return reasons

@@ -2,7 +2,8 @@
 ROCKETKV's prefix-cache rules on the scheduler side (``scheduler``) and, on
 vLLM's CPU build, a synchronous copy worker (``cpu_worker``) or, with
 ``kv_connector_extra_config: {"copy_mode": "async"}``, one whose copies
-complete steps later as on CUDA (``async_cpu_worker``)."""
+complete steps later as on CUDA (``async_cpu_worker``); on NVIDIA vLLM's CUDA
+worker with ROCKETKV's store wait (``cuda_worker``)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class HostTierConnector(SimpleCPUOffloadConnector):
         elif role == KVConnectorRole.WORKER and worker is not None and current_platform.is_cuda():
             from rocketkv_vllm.host_tier.cuda_worker import HostTierCudaWorker
 
-            HostTierCudaWorker.adopt(worker)  # compiled only: not yet run on a device
+            HostTierCudaWorker.adopt(worker)  # not yet run on a device (docs/gpu-check.md)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)

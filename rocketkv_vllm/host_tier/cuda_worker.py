@@ -7,9 +7,11 @@ block that step's Stage 1 writes), so compaction runs after that store has
 read the block's dense K/V. The CPU worker waits for its copy thread instead
 (``async_cpu_worker``).
 
-Compiled only: no NVIDIA device has run it yet, and ROCKETKV engines are
-still refused a host tier on NVIDIA (``rocketkv_refusals``); the connector
-uses it for every engine on CUDA, where without ROCKETKV nothing is waited for.
+The connector adopts it for every engine on CUDA that runs the host tier
+(ROCKETKV engines: ``select_host_tier_connector``; a dense engine naming the
+connector waits for nothing). Interpreted on CPU with fake streams and events
+(tests/test_host_tier_async.py); not yet run on a device: the GPU check's
+host-tier test (tests/test_gpu.py, docs/gpu-check.md) is its first run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class HostTierCudaWorker(SimpleCPUOffloadWorker):
     @classmethod
     def adopt(cls, worker: SimpleCPUOffloadWorker) -> HostTierCudaWorker:
         worker.__class__ = cls
+        worker.waits = []  # store events the compute stream waited on (tests read it)
         return worker
 
     def bind_connector_metadata(self, metadata) -> None:
@@ -38,6 +41,7 @@ class HostTierCudaWorker(SimpleCPUOffloadWorker):
                 # Orders the forward's kernels (Stage 1's compaction among
                 # them) after the store's copy on the store stream.
                 torch.cuda.current_stream().wait_event(event)
+                self.waits.append(wait)
 
     def _recorded_store_event(self, event_idx: int):
         """The CUDA event recorded after store ``event_idx``'s copy, or after a

@@ -36,7 +36,7 @@ ROCKETKV engines.
 
 The modules, one job each (a vLLM version bump edits one at a time):
 
-- ``startup``, ``frontend``, ``scheduler``, ``model_runner``: the wrappers,
+- ``startup``, ``frontend``, ``scheduler``, ``model_runner``, ``nixl``: the wrappers,
   by what they patch in vLLM, each with its rows of ``PATCHES``;
 - ``relied``: the ``RELIED_ON`` table, as data;
 - ``check``: the startup checker (install, ``require``, the failure record);
@@ -47,7 +47,7 @@ The modules, one job each (a vLLM version bump edits one at a time):
 
 from __future__ import annotations
 
-from rocketkv_vllm.vllm_patches import check, frontend, model_runner, scheduler, startup
+from rocketkv_vllm.vllm_patches import check, frontend, model_runner, nixl, scheduler, startup
 from rocketkv_vllm.vllm_patches.check import (
     Patch,
     installed,
@@ -65,6 +65,7 @@ PATCHES: tuple[Patch, ...] = (
     *frontend.PATCHES,
     *scheduler.PATCHES,
     *model_runner.PATCHES,
+    *nixl.PATCHES,
 )
 
 

@@ -7,6 +7,7 @@ VLLM_VERSION = "0.32.0"
 
 FINGERPRINTS: dict[str, str] = {
     "vllm.config.vllm.VllmConfig._post_init_kv_transfer_config": "06728cda5a8e5dde",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker.NixlBaseConnectorWorker.register_kv_caches": "79583d61b6d471a7",
     "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector.SimpleCPUOffloadConnector.__init__": "64780749c76a4166",
     "vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector.SimpleCPUOffloadConnector.bind_kv_cache_manager": "cffd4f7ede02139e",
     "vllm.platforms.cpu.CpuPlatform.check_and_update_config": "64a469376f408c73",

@@ -13,9 +13,15 @@ def _process_inputs(original):
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         from rocketkv_vllm.engine import is_rocketkv_engine, validate_request
 
-        if is_rocketkv_engine(self.vllm_config):
-            validate_request(self.vllm_config, params, kwargs.get("resumable", False))
-        return original(self, request_id, prompt, params, *args, **kwargs)
+        if not is_rocketkv_engine(self.vllm_config):
+            return original(self, request_id, prompt, params, *args, **kwargs)
+        validate_request(self.vllm_config, params, kwargs.get("resumable", False))
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        from rocketkv_vllm.pd import is_nixl_engine, validate_pd_request
+
+        if is_nixl_engine(self.vllm_config):
+            validate_pd_request(self.vllm_config, request)  # needs the prompt's tokens
+        return request
 
     return process_inputs
 
@@ -77,7 +83,8 @@ PATCHES: tuple[Patch, ...] = (
         "process_inputs",
         ("self", "request_id", "prompt", "params", "supported_tasks"),
         _process_inputs,
-        "refuse per request what ROCKETKV cannot serve (engine.validate_request)",
+        "refuse per request what ROCKETKV cannot serve (engine.validate_request; "
+        "a P/D request that would compress: pd.validate_pd_request)",
         exact=False,
         also=("resumable",),
     ),

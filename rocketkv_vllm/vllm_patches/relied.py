@@ -471,6 +471,7 @@ RELIED_ON: tuple[Relied, ...] = (
         "the CUDA events recorded after each store, waited on before Stage 1",
         _CUDA_WORKER,
     ),
+    # ("waits": listed below, for the async worker, which adds it too.)
     *_absent(_OFFLOAD_WORKER, "SimpleCPUOffloadWorker", _CUDA_WORKER, ("_recorded_store_event",)),
     *_absent(
         _OFFLOAD_WORKER,

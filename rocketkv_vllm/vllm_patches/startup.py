@@ -43,9 +43,10 @@ def _get_attn_backend_cls(original):
 def _post_init_kv_transfer_config(original):
     def _post_init_kv_transfer_config(self) -> None:
         original(self)
+        from rocketkv_vllm.engine import is_rocketkv_engine
         from rocketkv_vllm.host_tier import select_host_tier_connector
 
-        select_host_tier_connector(self)
+        select_host_tier_connector(self, is_rocketkv_engine(self))
 
     return _post_init_kv_transfer_config
 
