@@ -114,10 +114,12 @@ def validate_pd_request(vllm_config, engine_request) -> None:
     params = getattr(engine_request, "sampling_params", None)
     if params is None or transfer_side(params) is None:
         return
-    tokens = getattr(engine_request, "prompt_token_ids", None)
-    if tokens is None:
-        return  # prompt embeddings: refused elsewhere or dense
-    reason = pd_refusal(vllm_config, params, len(tokens))
+    from vllm.utils import length_from_prompt_token_ids_or_embeds
+
+    num_prompt_tokens = length_from_prompt_token_ids_or_embeds(
+        engine_request.prompt_token_ids, engine_request.prompt_embeds
+    )  # prompt embeddings are compressed like ids
+    reason = pd_refusal(vllm_config, params, num_prompt_tokens)
     if reason is not None:
         from vllm.exceptions import VLLMValidationError
 

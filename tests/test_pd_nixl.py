@@ -256,6 +256,22 @@ def test_pd_requests_that_would_compress_are_refused_by_name(model_path):
             process(long_prompt, max_tokens, budget=64, kv=kv)  # own budget, compressed
     process(long_prompt, 1, kv=remote)  # decodes nothing: dense
     process(long_prompt, 16)  # no transfer: compressed locally
+    # A prompt given as embeddings is planned by its length as ids are.
+    from types import SimpleNamespace
+
+    import torch
+
+    from rocketkv_vllm.pd import validate_pd_request
+
+    embeds = SimpleNamespace(
+        sampling_params=_sampling(16, None, remote),
+        prompt_token_ids=None,
+        prompt_embeds=torch.zeros(600, 8),
+    )
+    with pytest.raises(VLLMValidationError, match="600-token prompt"):
+        validate_pd_request(config, embeds)
+    embeds.prompt_embeds = torch.zeros(200, 8)  # within the budget
+    validate_pd_request(config, embeds)
 
 
 # -- engines ------------------------------------------------------------------
