@@ -38,6 +38,18 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny(model_path) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer and head geometry (head
+    dim 64, GQA 3:1), 2 layers: for tests whose oracle is another engine
+    run (ROCKETKV or vLLM's own backend), so they compare logprobs (which
+    every attention row moves; random weights make tokens alone robust to
+    attention errors) at a small fraction of SmolLM2's 30-layer prefill."""
+    from rocketkv_eval.tiny_model import prepare_tiny_model
+
+    return prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path):
     from transformers import AutoTokenizer
 

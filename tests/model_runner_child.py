@@ -12,7 +12,7 @@ Scenarios (each writes the completions, their prefix-cache hits, the
 preemptions, ROCKETKV's counters, the runner's module and the scheduler's
 class to OUT.json):
 
-* ``preempt``: SmolLM2, six requests through three request slots (slots are
+* ``preempt``: the tiny Llama, six requests through three request slots (slots are
   taken again by later requests), a per-request budget of 1024 and one of 0
   beside the engine's, a document asked twice (prefix caching), chunks
   shared between requests, given-back blocks poisoned, selections reused
@@ -26,7 +26,7 @@ class to OUT.json):
 * ``hybrid``: a tiny random Gemma 3 (sliding-window layers in vLLM's
   backend), random-token prompts (a document asked three times), prefix
   caching on, given-back blocks poisoned.
-* ``abort``: SmolLM2 with two request slots, prompts whose first chunk ends
+* ``abort``: the tiny Llama with two request slots, prompts whose first chunk ends
   inside their observation window, aborted there (one of ``n`` 2) while
   others are mid-window and new ones arrive (``run_aborts``).
 """
@@ -40,6 +40,30 @@ from conftest import chat_prompt, ids_and_logprobs  # this file's folder is on s
 
 from rocketkv_eval.runners import use_runner
 
+# The scenarios' models have this many output rows: vLLM's V2 sampler and its
+# logprobs run in Triton kernels, interpreted here, whose cost grows with the
+# vocabulary (SmolLM2's 49,152: four fifths of a V2 run). Prompts are token
+# ids, folded below it (``_small``); the scenarios are about scheduling and
+# compare logprobs, so only their lengths and repeats matter.
+SMALL_VOCAB = 2048
+
+
+def prepare_models() -> None:
+    """Build the scenarios' models once, before children that load them
+    start side by side."""
+    from rocketkv_eval.tiny_model import prepare_tiny_gemma3, prepare_tiny_model
+
+    prepare_tiny_model(64, num_heads=3, num_kv_heads=1, vocab_size=SMALL_VOCAB)
+    prepare_tiny_gemma3(sliding_window=64, query_pre_attn_scalar=48, vocab_size=SMALL_VOCAB)
+
+
+def _small(tok, prompt):
+    """A prompt (text, or token ids) as token ids below ``SMALL_VOCAB``."""
+    from vllm.inputs import TokensPrompt
+
+    ids = tok(prompt).input_ids if isinstance(prompt, str) else prompt
+    return TokensPrompt(prompt_token_ids=[t % SMALL_VOCAB for t in ids])
+
 
 def _preempt_scenario():
     from transformers import AutoTokenizer
@@ -51,7 +75,7 @@ def _preempt_scenario():
     # SmolLM2's tokenizer and head geometry, 2 random layers: the scenario is
     # about scheduling (the cache is sized from the model's config, so it
     # holds the same blocks), and the outputs are compared by logprobs.
-    model = prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
+    model = prepare_tiny_model(64, num_heads=3, num_kv_heads=1, vocab_size=SMALL_VOCAB)
     tok = AutoTokenizer.from_pretrained(model)
     doc = build_needle_prompt(tok, 1000, 0.4, seed=21).prompt
     # (prompt, own budget, new tokens). Request 0's prefill runs 256 tokens a
@@ -77,7 +101,7 @@ def _preempt_scenario():
         long_prefill_token_threshold=256,
     )
     rocketkv = {"token_budget": 128, "page_size": 4, "reselect_every": 2}
-    return engine_kw, rocketkv, requests
+    return engine_kw, rocketkv, [(_small(tok, p), b, n) for p, b, n in requests]
 
 
 def _triton_scenario(kernel: str):
@@ -92,8 +116,9 @@ def _triton_scenario(kernel: str):
         (build_needle_prompt(tok, 600, 0.5, seed=11).prompt, None, 5),
         (chat_prompt(tok, "Name three colours."), None, 5),
     ]
+    requests = [(_small(tok, p), b, n) for p, b, n in requests]
     engine_kw = dict(
-        model=prepare_tiny_model(64, num_heads=3, num_kv_heads=1),
+        model=prepare_tiny_model(64, num_heads=3, num_kv_heads=1, vocab_size=SMALL_VOCAB),
         max_model_len=8192,
         kv_cache_memory_bytes=1 << 28,
         max_num_seqs=4,  # V2 samples its warm-up rows in interpreted kernels
@@ -105,8 +130,6 @@ def _triton_scenario(kernel: str):
 def _hybrid_scenario():
     import random
 
-    from vllm.inputs import TokensPrompt
-
     from rocketkv_eval.tiny_model import prepare_tiny_gemma3
 
     rng = random.Random(7)
@@ -116,9 +139,11 @@ def _hybrid_scenario():
 
     doc = ids(700)
     prompts = [doc + ids(40), ids(900), doc + ids(60), ids(50), ids(1200), doc + ids(30)]
-    requests = [(TokensPrompt(prompt_token_ids=p), None, 12) for p in prompts]
+    requests = [(_small(None, p), None, 12) for p in prompts]
     engine_kw = dict(
-        model=prepare_tiny_gemma3(sliding_window=64, query_pre_attn_scalar=48),
+        model=prepare_tiny_gemma3(
+            sliding_window=64, query_pre_attn_scalar=48, vocab_size=SMALL_VOCAB
+        ),
         max_model_len=2048,
         block_size=32,
         kv_cache_memory_bytes=1 << 27,
@@ -226,13 +251,14 @@ def run_aborts(runner: str) -> dict:
     import random
 
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from rocketkv_eval.model import prepare_default_model
+    from rocketkv_eval.tiny_model import prepare_tiny_model
     from rocketkv_vllm.state import existing_worker_state
 
+    # The tiny random Llama with SmolLM2's head geometry: the oracle is the
+    # same engine, compared by logprobs.
     llm = LLM(
-        model=prepare_default_model(),
+        model=prepare_tiny_model(64, num_heads=3, num_kv_heads=1, vocab_size=SMALL_VOCAB),
         attention_backend="ROCKETKV",
         enforce_eager=True,
         dtype="float32",
@@ -256,9 +282,7 @@ def run_aborts(runner: str) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
 
     def add(name, length, n):
-        prompts[name] = TokensPrompt(
-            prompt_token_ids=[rng.randrange(100, 40000) for _ in range(length)]
-        )
+        prompts[name] = _small(None, [rng.randrange(100, 40000) for _ in range(length)])
         # n > 1 samples at temperature 1 (aborted before it samples: V2's
         # top-k kernel does not run under Triton's interpreter)
         params = greedy if n == 1 else SamplingParams(n=n, temperature=1.0, max_tokens=8)

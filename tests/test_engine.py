@@ -22,18 +22,6 @@ from rocketkv_eval.needle import build_needle_prompt, is_correct
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def tiny(model_path):
-    """A tiny random Llama with SmolLM2's tokenizer and head geometry (head
-    dim 64, GQA 3:1), 2 layers: for tests whose oracle is another ROCKETKV
-    run, so they compare logprobs (which every attention row moves; random
-    weights make tokens alone robust to attention errors) at a small
-    fraction of SmolLM2's 30-layer prefill."""
-    from rocketkv_eval.tiny_model import prepare_tiny_model
-
-    return prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
-
-
 def test_bad_config_fails_at_startup_naming_the_field(model_path):
     with pytest.raises(Exception) as err:
         make_llm(model_path, "ROCKETKV", {"kernel_size": 64})
@@ -53,11 +41,12 @@ def _greedy_with_logprobs(llm, prompts, max_tokens):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer, dtype):
+def test_uncompressed_matches_vllm_cpu_attention(tiny, tokenizer, dtype):
     """Budget >= prompt: vLLM's own CPU kernel runs every token, so tokens
     and their logprobs match CPU_ATTN's to 1e-4 (same block size: ROCKETKV's
     CPU default of 32, which is CPU_ATTN's AMX kernel for bf16 where the CPU
-    has AMX, its vec kernel otherwise)."""
+    has AMX, its vec kernel otherwise). The tiny model: the oracle is vLLM's
+    own backend, and logprobs move with every attention row."""
     prompts = [
         chat_prompt(tokenizer, "What is the capital of France? Answer in one sentence."),
         chat_prompt(tokenizer, "Write a short poem about the sea."),
@@ -65,11 +54,11 @@ def test_uncompressed_matches_vllm_cpu_attention(model_path, tokenizer, dtype):
     ]
     if dtype == "float32":  # bf16 is emulated on AVX2 CPUs (CI's): the long prompt once
         prompts.append(build_needle_prompt(tokenizer, 1500, 0.5, seed=1).prompt)
-    ref = make_llm(model_path, "CPU_ATTN", block_size=32, dtype=dtype)
+    ref = make_llm(tiny, "CPU_ATTN", block_size=32, dtype=dtype)
     ref_ids, ref_lp = _greedy_with_logprobs(ref, prompts, 32)
     shutdown(ref)
     ours = make_llm(
-        model_path, "ROCKETKV", {"prompt_budget": 4096}, dtype=dtype, spawn=dtype == "float32"
+        tiny, "ROCKETKV", {"prompt_budget": 4096}, dtype=dtype, spawn=dtype == "float32"
     )
     our_ids, our_lp = _greedy_with_logprobs(ours, prompts, 32)
     shutdown(ours)
@@ -370,7 +359,7 @@ def test_selection_reuse_follows_each_request_through_a_mixed_batch(tiny, tokeni
     assert alone_reused == want
 
 
-def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
+def test_prompt_embeddings_give_the_tokens_of_their_ids(tiny, tokenizer):
     """``enable_prompt_embeds``: a prompt given as its embeddings is planned,
     compressed and decoded as the same prompt given as token ids (prefix
     caching on: the ids' blocks are cached first, and an embeddings prompt
@@ -386,13 +375,13 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
     samples = eval_tasks.make_samples("niah_single", tokenizer, 1024, 2)
     settings = resolve_settings(parse_config(cfg), 32, 64, 2048)
     assert all(plan_request(settings, len(s.token_ids)).compress for s in samples)
-    embed = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    embed = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     embed = embed.get_input_embeddings()
     with torch.no_grad():
         as_embeds = [{"prompt_embeds": embed(torch.tensor(s.token_ids))} for s in samples]
     as_ids = [{"prompt_token_ids": s.token_ids} for s in samples]
     llm = make_llm(
-        model_path,
+        tiny,
         "ROCKETKV",
         cfg,
         testing={"poison_evicted_blocks": True},
@@ -405,11 +394,9 @@ def test_prompt_embeddings_give_the_tokens_of_their_ids(model_path, tokenizer):
     assert ids == want_ids
     for got, want in zip(logprobs, want_logprobs):
         assert got == pytest.approx(want, abs=1e-4)
-    found = [eval_tasks.score(tokenizer.decode(i), s.references) for i, s in zip(ids, samples)]
-    assert max(found) == 100.0
 
 
-def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
+def test_pooling_runner_gives_dense_embeddings(tiny, tokenizer):
     """``runner="pooling"``: nothing decodes, so prompts longer than the
     budget are served uncompressed (``requests.planned_budget``: no Stage 1)
     and the embeddings are CPU_ATTN's."""
@@ -424,9 +411,7 @@ def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
     ]
     embeddings = {}
     for backend, cfg in (("CPU_ATTN", None), ("ROCKETKV", {"token_budget": 128})):
-        llm = make_llm(
-            model_path, backend, cfg, runner="pooling", max_model_len=2048, block_size=32
-        )
+        llm = make_llm(tiny, backend, cfg, runner="pooling", max_model_len=2048, block_size=32)
         outs = llm.embed(prompts, use_tqdm=False)
         embeddings[backend] = torch.tensor([o.outputs.embedding for o in outs])
         if cfg is not None:  # Stage 1 never ran
@@ -436,7 +421,7 @@ def test_pooling_runner_gives_dense_embeddings(model_path, tokenizer):
     torch.testing.assert_close(embeddings["ROCKETKV"], embeddings["CPU_ATTN"], atol=1e-5, rtol=1e-5)
 
 
-def test_beam_search_and_prompt_logprobs_match_cpu_attention(model_path, tokenizer):
+def test_beam_search_and_prompt_logprobs_match_cpu_attention(tiny, tokenizer):
     """vLLM's beam search runs each step as max_tokens=1 requests over the
     beams' whole sequences: nothing decodes, so ROCKETKV serves them
     uncompressed in every process (``requests.planned_budget``) and the
@@ -456,7 +441,7 @@ def test_beam_search_and_prompt_logprobs_match_cpu_attention(model_path, tokeniz
     beams, prompt_logprobs = {}, {}
     for backend, cfg in (("CPU_ATTN", None), ("ROCKETKV", {"token_budget": 128})):
         testing = {"poison_evicted_blocks": True} if cfg else None
-        llm = make_llm(model_path, backend, cfg, testing=testing, block_size=32)
+        llm = make_llm(tiny, backend, cfg, testing=testing, block_size=32)
         [out] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
         beams[backend] = [(s.tokens[len(ids) :], s.cum_logprob) for s in out.sequences]
         if cfg:

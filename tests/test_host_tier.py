@@ -100,8 +100,11 @@ def test_offloading_flag_selects_the_host_tier_on_cpu(model_path):
     assert config().kv_transfer_config is None
 
 
-# SmolLM2-135M fp32: 30 layers x 3 KV heads x 64 x (K, V) x 4 bytes per token.
-BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
+# The engine tests run the tiny random Llama (conftest ``tiny``: every oracle
+# here is another engine run): fp32, 2 layers x 1 KV head x 64 x (K, V) x 4
+# bytes per token.
+LAYERS = 2
+BYTES_PER_TOKEN = LAYERS * 1 * 64 * 2 * 4
 BLOCK = 32
 
 
@@ -139,7 +142,7 @@ def host_pages(llm, docs) -> dict[tuple[int, int], torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def dense_run(model_path):
+def dense_run(tiny):
     """Four 2,000-token documents through a dense engine whose device pool
     holds ~3k tokens, so the first one's blocks are evicted and reused by the
     others (their K/V overwrites them); then the first document again."""
@@ -151,7 +154,7 @@ def dense_run(model_path):
 
     docs = _documents()
     llm = make_llm(
-        model_path,
+        tiny,
         "CPU_ATTN",
         max_model_len=2100,
         block_size=BLOCK,
@@ -333,13 +336,13 @@ def _rocketkv_run(model_path, host: bool, copies: dict | None = None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def rocketkv_runs(model_path):
+def rocketkv_runs(tiny):
     """The host tier with synchronous copies ("host") and with async ones
     ("async"), and prefix caching off ("off")."""
     return {
-        "host": _rocketkv_run(model_path, True),
-        "async": _rocketkv_run(model_path, True, ASYNC_COPIES),
-        "off": _rocketkv_run(model_path, False),
+        "host": _rocketkv_run(tiny, True),
+        "async": _rocketkv_run(tiny, True, ASYNC_COPIES),
+        "off": _rocketkv_run(tiny, False),
     }
 
 
@@ -389,11 +392,10 @@ def test_rocketkv_host_blocks_hold_dense_kv(copies, rocketkv_runs, dense_run):
     docs = _documents()
     # The whole chain of every document from block 0 (targets first).
     assert set(pages) == {(d, j) for d in range(4) for j in range(len(docs[d]) // BLOCK)}
-    layers = 30
     for key, got in pages.items():
-        want = dense[key].view(layers, -1)
+        want = dense[key].view(LAYERS, -1)
         # Each layer's page: the K/V block in CPU_ATTN's layout, then KT pages.
-        got = got.view(layers, -1)[:, : want.shape[1]]
+        got = got.view(LAYERS, -1)[:, : want.shape[1]]
         assert torch.isfinite(got).all(), key
         torch.testing.assert_close(
             got, want, rtol=1e-4, atol=1e-4, msg=lambda m, key=key: f"{key}: {m}"
@@ -489,7 +491,7 @@ def _boundary_run(model_path, host: bool) -> dict:
 
 
 @pytest.mark.engine
-def test_budget_preset_at_the_kept_token_boundary_equals_caching_off(model_path):
+def test_budget_preset_at_the_kept_token_boundary_equals_caching_off(tiny):
     """At 832 tokens budget-1024's compaction targets end at the prompt's
     end, so the last one is written in the Stage 1 step: the host once stored
     the compacted targets under their dense hashes there, and the second ask
@@ -497,7 +499,7 @@ def test_budget_preset_at_the_kept_token_boundary_equals_caching_off(model_path)
     one with whatever the host holds loaded, equals caching off. (Caching on
     ends the first chunk at the targets' end, caching off prefills in one:
     logprobs differ by up to 6e-4 from the summation order alone.)"""
-    host, off = _boundary_run(model_path, True), _boundary_run(model_path, False)
+    host, off = _boundary_run(tiny, True), _boundary_run(tiny, False)
     plan = host["plans"][832]
     assert plan.compress and plan.compact_blocks(BLOCK) * BLOCK == 832  # the boundary case
     assert host["outs"][960, "again"].num_cached_tokens > 0  # served from the host

@@ -5,7 +5,8 @@ changes what Stage 1 keeps and Stage 2 selects, and vLLM keys a prefix-cache
 block by its adapter. An engine with prefix caching on and given-back blocks
 poisoned serves a base request, then adapter requests on the same prompt;
 the oracles are vLLM's CPU_ATTN with the adapter (uncompressed rows) and an
-engine with prefix caching off (compressed rows).
+engine with prefix caching off (compressed rows). The tiny random Llama
+(conftest ``tiny``): every oracle is another engine, compared by logprobs.
 """
 
 import json
@@ -20,14 +21,14 @@ LORA = dict(enable_lora=True, max_lora_rank=8, max_model_len=2048, kv_cache_memo
 
 
 @pytest.fixture(scope="module")
-def adapter(model_path, tmp_path_factory):
+def adapter(tiny, tmp_path_factory):
     """A random rank-8 adapter on every layer's q_proj and v_proj, written
     in PEFT's layout (no training: it only has to change the outputs)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model_path)
+    cfg = AutoConfig.from_pretrained(tiny)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     outputs = {"q_proj": cfg.hidden_size, "v_proj": cfg.num_key_value_heads * head_dim}
     gen = torch.Generator().manual_seed(0)
@@ -45,14 +46,14 @@ def adapter(model_path, tmp_path_factory):
         "r": 8,
         "lora_alpha": 16,
         "target_modules": list(outputs),
-        "base_model_name_or_path": model_path,
+        "base_model_name_or_path": tiny,
         "bias": "none",
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     return str(path)
 
 
-def test_adapter_requests_after_a_base_request_on_their_prompt(model_path, tokenizer, adapter):
+def test_adapter_requests_after_a_base_request_on_their_prompt(tiny, tokenizer, adapter):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
@@ -79,16 +80,14 @@ def test_adapter_requests_after_a_base_request_on_their_prompt(model_path, token
     # Adapter rows only in the batch: vLLM 0.32's CPU build gives a base row
     # batched beside an adapter row the adapter's logits (CPU_ATTN too).
     batch = [(p1, params(), lora), (p1, params(0), lora), (p2, params(), lora)]
-    llm = make_llm(
-        model_path, "ROCKETKV", ROCKETKV, testing={"poison_evicted_blocks": True}, **LORA
-    )
+    llm = make_llm(tiny, "ROCKETKV", ROCKETKV, testing={"poison_evicted_blocks": True}, **LORA)
     [base_p1] = results(llm, [(p1, params(), None)])
     mixed = results(llm, batch)
     shutdown(llm)
-    no_cache = make_llm(model_path, "ROCKETKV", ROCKETKV, enable_prefix_caching=False, **LORA)
+    no_cache = make_llm(tiny, "ROCKETKV", ROCKETKV, enable_prefix_caching=False, **LORA)
     want = results(no_cache, batch)
     shutdown(no_cache)
-    dense = make_llm(model_path, "CPU_ATTN", block_size=32, **LORA)
+    dense = make_llm(tiny, "CPU_ATTN", block_size=32, **LORA)
     want_dense = results(dense, batch)
     shutdown(dense)
 

@@ -260,13 +260,15 @@ def _engine_settings(log: str) -> RocketKVSettings:
 
 
 @pytest.fixture(scope="module")
-def metrics_server(model_path):
+def metrics_server(tiny):
+    """A server of the tiny random Llama: what is checked here is counted,
+    not read."""
     from test_serve import Server
 
     # With a host tier (vLLM's --kv-offloading-size): its counters come from
     # the scheduler's account too.
     srv = Server(
-        model_path,
+        tiny,
         rocketkv=ROCKETKV,
         extra=["--kv-offloading-size", "0.5"],
         # vLLM's stats log line every second: the account must not show in it.
@@ -400,7 +402,7 @@ def test_server_logs_each_compressed_prompt(metrics_server):
 
 
 @pytest.mark.engine
-def test_a_users_stat_logger_sees_nothing_of_the_account(model_path):
+def test_a_users_stat_logger_sees_nothing_of_the_account(tiny):
     """Issue 57, finding 4: a stat logger a user hands to AsyncLLM comes
     before vLLM's own in line; ROCKETKV's goes first of all and takes the
     scheduler's account out, so the user's sees none of it while the
@@ -434,7 +436,7 @@ def test_a_users_stat_logger_sees_nothing_of_the_account(model_path):
 
     async def run():
         args = AsyncEngineArgs(
-            model=model_path,
+            model=tiny,
             attention_backend="ROCKETKV",
             additional_config={"rocketkv": ROCKETKV},
             **ENGINE_KW,

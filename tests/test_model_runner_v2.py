@@ -38,6 +38,13 @@ V1_RUNNER = "vllm.v1.worker.cpu_model_runner"
 V2_RUNNER = "vllm.v1.worker.cpu.model_runner"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _models():
+    from model_runner_child import prepare_models
+
+    prepare_models()
+
+
 def _run_engines(tmp_path, *engines: tuple[str, str]) -> list[dict]:
     """Engines given as (runner, scenario), all at once, each in its own
     process and, on a machine of two cores or more, on a core of its own

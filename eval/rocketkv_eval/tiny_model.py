@@ -34,11 +34,21 @@ def _save(model, tokenizer, out: Path, meta: dict) -> str:
 
 
 def prepare_tiny_model(
-    head_dim: int, num_heads: int = 2, num_kv_heads: int = 1, num_layers: int = 2, seed: int = 0
+    head_dim: int,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    num_layers: int = 2,
+    seed: int = 0,
+    vocab_size: int | None = None,
 ) -> str:
     """A directory vLLM loads: a Llama of ``num_layers`` layers whose
-    attention has ``num_heads`` query heads of ``head_dim`` channels."""
+    attention has ``num_heads`` query heads of ``head_dim`` channels.
+    ``vocab_size``: fewer output rows than the tokenizer's (prompts must then
+    be token ids below it): vLLM's V2 sampler, interpreted on CPU, costs in
+    proportion to the vocabulary."""
     name = f"tiny-llama-d{head_dim}-h{num_heads}-kv{num_kv_heads}-l{num_layers}-s{seed}"
+    if vocab_size is not None:
+        name += f"-v{vocab_size}"
     out = default_cache_dir().parent / name
     if (out / _DONE).is_file():
         return str(out)
@@ -50,7 +60,7 @@ def prepare_tiny_model(
     tokenizer = AutoTokenizer.from_pretrained(source)
     hidden = 64 * num_heads
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=num_layers,
@@ -75,6 +85,7 @@ def prepare_tiny_gemma3(
     sliding_window: int = 64,
     query_pre_attn_scalar: int = 48,
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> str:
     """A tiny random-weight Gemma 3 text model with the hybrid layout of the
     real ones: 6 layers, each third full attention, the others a sliding
@@ -84,6 +95,8 @@ def prepare_tiny_gemma3(
         f"tiny-gemma3-d{head_dim}-h{num_heads}-kv{num_kv_heads}-w{sliding_window}"
         f"-q{query_pre_attn_scalar}-s{seed}"
     )
+    if vocab_size is not None:  # as prepare_tiny_model's
+        name += f"-v{vocab_size}"
     out = default_cache_dir().parent / name
     if (out / _DONE).is_file():
         return str(out)
@@ -96,7 +109,7 @@ def prepare_tiny_gemma3(
     hidden = 64 * num_heads
     layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
     config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=len(layer_types),
