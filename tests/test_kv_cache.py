@@ -45,17 +45,6 @@ FREED_CFG = {"prompt_budget": 256}
 
 
 @pytest.fixture(scope="module")
-def tiny(model_path):
-    """A tiny random Llama of SmolLM2's head geometry (2 layers): these tests
-    are about blocks (the caches below are sized from its config, so they
-    hold as many blocks as SmolLM2's would) and compare logprobs, which a
-    read of a poisoned or reused block moves."""
-    from rocketkv_eval.tiny_model import prepare_tiny_model
-
-    return prepare_tiny_model(64, num_heads=3, num_kv_heads=1)
-
-
-@pytest.fixture(scope="module")
 def never_frees(tiny):
     """The oracle of both cases below: an ample cache that gives nothing back
     (prefix caching off; with it on the tokens are the same, as
