@@ -246,6 +246,33 @@ def test_the_cuda_worker_makes_the_compute_stream_wait_for_the_named_store(monke
     assert waited == ["after-3", "after-7"]
 
 
+def test_the_cuda_worker_stops_a_step_whose_store_is_never_recorded(monkeypatch):
+    """No wait forever: a copy thread that died, or a store not recorded in
+    time, is an error naming the store (compacting without the wait would
+    cache compacted K/V under a dense hash)."""
+    import threading
+    from types import SimpleNamespace
+
+    from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+
+    from rocketkv_vllm.host_tier import cuda_worker
+    from rocketkv_vllm.host_tier.scheduler import RocketKVHostMetadata
+
+    monkeypatch.setattr(cuda_worker.torch.cuda, "current_stream", lambda: None)
+    worker = cuda_worker.HostTierCudaWorker.adopt(SimpleCPUOffloadWorker(None, None, 0))
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    worker._backend = SimpleNamespace(_thread=dead)
+    with pytest.raises(RuntimeError, match="store 2 was never recorded: vLLM's copy thread"):
+        worker.bind_connector_metadata(RocketKVHostMetadata(wait_store_event=2))
+    worker._backend = None
+    worker._store_events = [(1, "after-1")]
+    monkeypatch.setattr(cuda_worker, "RECORD_TIMEOUT_S", 0.05)
+    with pytest.raises(RuntimeError, match=r"store 2 not recorded .* up to 1\)"):
+        worker.bind_connector_metadata(RocketKVHostMetadata(wait_store_event=2))
+
+
 # -- the NVIDIA path, with vLLM's platform faked as CUDA ----------------------
 
 

@@ -21,6 +21,10 @@ import time
 import torch
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 
+# The copy thread records a store's event right after it launches the copy
+# (no device wait): seconds would already mean it is stuck.
+RECORD_TIMEOUT_S = 60.0
+
 
 class HostTierCudaWorker(SimpleCPUOffloadWorker):
     """vLLM's ``SimpleCPUOffloadWorker`` (its instance's class is swapped:
@@ -49,11 +53,27 @@ class HostTierCudaWorker(SimpleCPUOffloadWorker):
         the store is known complete. The copy thread records it right after
         launching the copy, from the queue the store entered in an earlier
         step: waiting here is for the thread, never for the copy, and a wait
-        on an event not yet recorded would not wait at all."""
+        on an event not yet recorded would not wait at all. A copy thread
+        that died, or no record within ``RECORD_TIMEOUT_S``, stops the step
+        with an error naming the store: compacting without the wait would
+        cache compacted K/V under a dense hash (a wrong answer later)."""
+        deadline = time.monotonic() + RECORD_TIMEOUT_S
         while True:
             for idx, event in list(self._store_events):
                 if idx >= event_idx:
                     return event
             if self._store_hwm >= event_idx:
                 return None
-            time.sleep(0)
+            thread = getattr(self._backend, "_thread", None)
+            if thread is not None and not thread.is_alive():
+                raise RuntimeError(
+                    f"host tier: store {event_idx} was never recorded: vLLM's copy thread "
+                    "has stopped (see the error it logged)"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"host tier: store {event_idx} not recorded by the copy thread within "
+                    f"{RECORD_TIMEOUT_S:.0f} s (stores recorded up to "
+                    f"{max((i for i, _ in self._store_events), default=self._store_hwm)})"
+                )
+            time.sleep(0.0001)
