@@ -229,6 +229,11 @@ class RocketKVManager(FullAttentionManager):
         # counted once the request is admitted with that hit (a request that
         # waits is looked up again every step).
         self._unused_hit: dict[str, int] = {}
+        # Decode-side requests of disaggregated prefill and decode whose
+        # prompt the prefill engine compressed (``pd``): their kept blocks
+        # arrive by the KV connector, compacted, so they hold no blocks for
+        # the evicted range, take no prefix hit and are never hashed.
+        self._remote: set[str] = set()
 
     # -- requests -------------------------------------------------------------
 
@@ -237,6 +242,25 @@ class RocketKVManager(FullAttentionManager):
         (``vllm_patches``: the prefix-cache lookup of every new or resumed
         request), so the calls that name only its id can plan it."""
         self._requests[request.request_id] = request
+        kv = request.kv_transfer_params
+        if kv and kv.get("do_remote_prefill") and request.num_computed_tokens == 0:
+            # (vLLM clears the flag once it queued the pull: a preempted
+            # request is recomputed here as any compressed one.)
+            from rocketkv_vllm.pd import decode_state
+
+            if decode_state(kv) is not None:
+                self._remote.add(request.request_id)
+
+    def remote_plan(self, request_id: str) -> RequestPlan | None:
+        """The plan of a decode-side request the prefill engine compressed
+        (its kept blocks pulled by the KV connector), else None."""
+        if request_id not in self._remote:
+            return None
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        plan = self.plan_of_request(request)
+        return plan if plan.compress else None
 
     def plan_of(self, request_id: str, num_prompt_tokens: int) -> RequestPlan:
         request = self._requests.get(request_id)
@@ -278,6 +302,8 @@ class RocketKVManager(FullAttentionManager):
         plan = self.plan_of_request(request)
         if not plan.compress:
             return num_hit_tokens
+        if request.request_id in self._remote:
+            return 0  # its first blocks arrive compacted: no dense hit fits them
         bs = self.block_size
         cap = plan.window_hit_cap(self.settings.window_size, bs)
         targets = plan.compact_blocks(bs)
@@ -338,7 +364,41 @@ class RocketKVManager(FullAttentionManager):
         )
         if request_id not in self.num_cached_block:
             needed += self._private_copies(request_id, len(new_computed_blocks))
+            plan = self.remote_plan(request_id)
+            if plan is not None:
+                # No blocks for the evicted range (allocate_external_computed_blocks).
+                start, end = plan.freed_block_range(self.block_size)
+                needed -= max(0, min(end, -(-num_tokens // self.block_size)) - start)
         return needed
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
+    ) -> None:
+        plan = self.remote_plan(request_id)
+        if plan is None:
+            return super().allocate_external_computed_blocks(
+                request_id,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+                record_for_zeroing,
+            )
+        # A compressed prompt pulled from the prefill engine: blocks for the
+        # kept ones only (the compaction targets and the tail block), the
+        # null block in the evicted range, as if Stage 1 had freed it here.
+        bs = self.block_size
+        blocks = self.req_to_blocks[request_id]
+        total = num_local_computed_tokens + num_external_computed_tokens
+        start, end = plan.freed_block_range(bs)
+        todo = [j for j in range(len(blocks), -(-total // bs)) if not start <= j < end]
+        fresh = iter(self.block_pool.get_new_blocks(len(todo)))
+        for j in range(len(blocks), -(-total // bs)):
+            blocks.append(self._null_block if start <= j < end else next(fresh))
+        if self._record_new_block_ids and record_for_zeroing:
+            self.new_block_ids.extend(blocks[j].block_id for j in todo)
 
     def add_local_computed_blocks(
         self,
@@ -363,6 +423,7 @@ class RocketKVManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         self._unused_hit.pop(request_id, None)  # finished or aborted while waiting
+        self._remote.discard(request_id)
         super().free(request_id)
 
     def cache_blocks(
@@ -370,6 +431,8 @@ class RocketKVManager(FullAttentionManager):
     ) -> None:
         plan = self.plan_of_request(request)
         rid = request.request_id
+        if plan.compress and rid in self._remote:
+            return  # compacted K/V and the null block: nothing dense to hash
         if not plan.compress:
             before = self.num_cached_block.get(rid, 0)
             super().cache_blocks(
@@ -415,6 +478,8 @@ class RocketKVManager(FullAttentionManager):
         every layer above, a hybrid model's sliding-window layers too). The
         other KV cache groups hash no further (``vllm_patches``)."""
         plan = self.plan_of_request(request)
+        if plan.compress and request.request_id in self._remote:
+            return 0
         return plan.tail_start if plan.compress else request.num_tokens
 
     def take_pending_cow_copies(self):
@@ -471,6 +536,7 @@ class RocketKVManager(FullAttentionManager):
     def pop_blocks_for_free(self, request_id: str):
         self._to_preserve.pop(request_id, None)
         self._chunk_ends.pop(request_id, None)
+        self._remote.discard(request_id)
         return super().pop_blocks_for_free(request_id)
 
 

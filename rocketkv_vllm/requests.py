@@ -101,14 +101,27 @@ def planned_budget(params) -> int | None:
     process sees the same ``max_tokens`` (vLLM fills in a missing one
     before the request leaves the frontend).
 
+    A prefill-side request of disaggregated prefill and decode
+    (``kv_transfer_params.do_remote_decode``) also asks for one token, but
+    decodes on another engine from the K/V this one leaves: it is planned
+    with its own budget (``pd``).
+
     Otherwise the request's own budget. ``extra_args`` was checked when the
     request arrived; one that skipped the check and is malformed (an
     ``EngineCoreRequest`` handed to the engine directly skips vLLM's input
     processor) plans with the engine's settings everywhere rather than
     stopping the scheduler or a worker."""
-    if params is None or getattr(params, "max_tokens", None) == 1:
+    if params is None:
+        return 0
+    if getattr(params, "max_tokens", None) == 1 and not _decodes_elsewhere(params):
         return 0
     try:
         return params_token_budget(params)
     except RocketKVConfigError:
         return None
+
+
+def _decodes_elsewhere(params) -> bool:
+    extra = getattr(params, "extra_args", None)
+    kv = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    return isinstance(kv, dict) and bool(kv.get("do_remote_decode"))

@@ -114,6 +114,23 @@ def test_completions_through_the_proxy_equal_one_engine(pd, tokenizer):
     assert after - before >= 2 * (len(prompt) // 32 * 32)
 
 
+def test_a_compressed_prompt_through_the_proxy_equals_one_engine(pd, tokenizer):
+    """A prompt past the budget: the prefill server compresses it and offers
+    its kept blocks, the decode server pulls them and decodes; the text is
+    the prefill server's own for the same request, plain and streamed."""
+    prefill, decode, proxy = pd
+    prompt = _ids(tokenizer, 300, 5)
+    kw = dict(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
+    want = prefill.client().completions.create(**kw).choices[0].text
+    before = _pulled(decode)
+    got = proxy.client().completions.create(**kw).choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in proxy.client().completions.create(stream=True, **kw)
+    )
+    assert got == want and streamed == want
+    assert _pulled(decode) > before
+
+
 def test_what_the_proxy_cannot_split_is_a_400_naming_the_field(pd):
     import openai
 

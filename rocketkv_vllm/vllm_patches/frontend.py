@@ -14,7 +14,12 @@ def _process_inputs(original):
         from rocketkv_vllm.engine import is_rocketkv_engine, validate_request
 
         if not is_rocketkv_engine(self.vllm_config):
-            return original(self, request_id, prompt, params, *args, **kwargs)
+            request = original(self, request_id, prompt, params, *args, **kwargs)
+            if getattr(self.vllm_config, "kv_transfer_config", None) is not None:
+                from rocketkv_vllm.pd import refuse_compressed_on_dense
+
+                refuse_compressed_on_dense(self.vllm_config, request)
+            return request
         validate_request(self.vllm_config, params, kwargs.get("resumable", False))
         request = original(self, request_id, prompt, params, *args, **kwargs)
         from rocketkv_vllm.pd import is_nixl_engine, validate_pd_request

@@ -88,6 +88,7 @@ def _absent(module, owner, used_by, names) -> tuple[Relied, ...]:
 
 
 _FAM = "FullAttentionManager"
+_PULL_SCHEDULER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 _SCHED = "SimpleCPUOffloadScheduler"
 
 RELIED_ON: tuple[Relied, ...] = (
@@ -279,6 +280,20 @@ RELIED_ON: tuple[Relied, ...] = (
     _override(
         _KV,
         _FAM,
+        "allocate_external_computed_blocks",
+        (
+            "self",
+            "request_id",
+            "num_local_computed_tokens",
+            "num_external_computed_tokens",
+            "record_for_zeroing",
+        ),
+        _MANAGER,
+        "blocks for a pulled compressed prompt's kept blocks only (pd)",
+    ),
+    _override(
+        _KV,
+        _FAM,
         "cache_blocks",
         ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"),
         _MANAGER,
@@ -336,7 +351,68 @@ RELIED_ON: tuple[Relied, ...] = (
             "_unused_hit",
             "_private_copies",
             "_preserve_targets",
+            "_remote",
+            "remote_plan",
         ),
+    ),
+    Relied(_KV, _FAM, "new_block_ids", "attr", "report a pull's blocks for zeroing", _MANAGER),
+    # -- disaggregated prefill and decode (pd, vllm_patches.nixl) --
+    Relied(
+        _PULL_SCHEDULER,
+        "NixlPullConnectorScheduler",
+        "_reqs_need_recv",
+        "attr",
+        "the local blocks a pull reads into: a compressed prompt's kept ones",
+        "rocketkv_vllm.pd.receive_kept_blocks",
+    ),
+    Relied(
+        _PULL_SCHEDULER,
+        "NixlPullConnectorScheduler",
+        "_reqs_need_send",
+        "attr",
+        "a compressed request whose one token stopped it is not held for a pull",
+        "rocketkv_vllm.vllm_patches.nixl",
+    ),
+    Relied(
+        _PULL_SCHEDULER,
+        "NixlPullConnectorScheduler",
+        "_reqs_not_processed",
+        "attr",
+        "... and its worker told so, as vLLM tells it of an aborted one",
+        "rocketkv_vllm.vllm_patches.nixl",
+    ),
+    Relied(
+        _PULL_SCHEDULER,
+        "NixlPullConnectorScheduler",
+        "vllm_config",
+        "attr",
+        "the engine's ROCKETKV settings",
+        "rocketkv_vllm.pd.receive_kept_blocks",
+    ),
+    Relied(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+        "NixlConnector",
+        "connector_scheduler",
+        "attr",
+        "the decode side's first tokens to emit",
+        "rocketkv_vllm.pd.emit_first_tokens",
+    ),
+    Relied(
+        "vllm.v1.request",
+        "Request",
+        "append_output_token_ids",
+        "method",
+        "the prefill engine's first token is a pulled request's first output",
+        "rocketkv_vllm.pd.receive_kept_blocks",
+        ("self", "token_ids"),
+    ),
+    Relied(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "requests",
+        "attr",
+        "drop the first tokens of requests aborted before their first step",
+        "rocketkv_vllm.pd.emit_first_tokens",
     ),
     # -- the host tier's scheduler half (host_tier.scheduler) --
     Relied(

@@ -98,6 +98,10 @@ def _update_from_output(original):
         # Here, not in make_stats: these stats go to the frontend, while
         # vLLM's crash dump also calls make_stats and would take the gains.
         attach_account(outputs, self.kv_cache_manager)  # never raises
+        if self.connector is not None:
+            from rocketkv_vllm.pd import emit_first_tokens
+
+            emit_first_tokens(self, outputs)  # P/D: the prefill engine's first token
         return outputs
 
     return update_from_output
@@ -150,6 +154,7 @@ PATCHES: tuple[Patch, ...] = (
         _update_from_output,
         "carry the scheduler's prefix-cache account inside the scheduler stats "
         "of its step's outputs to the frontend's rocketkv:* metrics (kv_cache, "
-        "metrics)",
+        "metrics); P/D: a pulled compressed prompt's first output starts with the "
+        "prefill engine's token (pd.emit_first_tokens)",
     ),
 )
