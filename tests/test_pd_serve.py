@@ -87,21 +87,25 @@ def _ids(tokenizer, n: int, offset: int = 0) -> list[int]:
     return tokenizer(text).input_ids[offset : offset + n]
 
 
+def _assert_same_completion(prefill: Server, proxy: ProxyProcess, prompt: list[int]) -> None:
+    """The proxy's completion, plain and streamed, is the prefill server's own."""
+    kw = dict(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
+    want = prefill.client().completions.create(**kw).choices[0].text
+    got = proxy.client().completions.create(**kw).choices[0].text
+    streamed = "".join(
+        c.choices[0].text for c in proxy.client().completions.create(stream=True, **kw)
+    )
+    assert got == want and streamed == want
+
+
 def test_completions_through_the_proxy_equal_one_engine(pd, tokenizer):
     """A prompt within the budget (the dense path through the connector),
     plain and streamed, and a chat completion: the decode server's text is
     the prefill server's own, and its prompt tokens came from the transfer."""
     prefill, decode, proxy = pd
     prompt = _ids(tokenizer, 80)
-    kw = dict(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
-    want = prefill.client().completions.create(**kw).choices[0].text
     before = _pulled(decode)
-
-    got = proxy.client().completions.create(**kw).choices[0].text
-    streamed = "".join(
-        c.choices[0].text for c in proxy.client().completions.create(stream=True, **kw)
-    )
-    assert got == want and streamed == want
+    _assert_same_completion(prefill, proxy, prompt)
 
     chat = [{"role": "user", "content": "Name three colours of the sea."}]
     ckw = dict(model=prefill.model, messages=chat, max_tokens=8, temperature=0)
@@ -119,15 +123,8 @@ def test_a_compressed_prompt_through_the_proxy_equals_one_engine(pd, tokenizer):
     its kept blocks, the decode server pulls them and decodes; the text is
     the prefill server's own for the same request, plain and streamed."""
     prefill, decode, proxy = pd
-    prompt = _ids(tokenizer, 300, 5)
-    kw = dict(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
-    want = prefill.client().completions.create(**kw).choices[0].text
     before = _pulled(decode)
-    got = proxy.client().completions.create(**kw).choices[0].text
-    streamed = "".join(
-        c.choices[0].text for c in proxy.client().completions.create(stream=True, **kw)
-    )
-    assert got == want and streamed == want
+    _assert_same_completion(prefill, proxy, _ids(tokenizer, 300, 5))
     assert _pulled(decode) > before
 
 
