@@ -55,7 +55,7 @@ def test_parse_metrics_sums_labelled_samples():
     assert got["rocketkv:prompts_compressed_total"] == 4.0
 
 
-def test_small_load_on_a_rocketkv_server(tiny, tmp_path):
+def test_small_load_on_a_rocketkv_server(model_path, tmp_path):
     mod = _load_test_module()
     out = tmp_path / "load.json"
     code = mod.main(
@@ -65,7 +65,7 @@ def test_small_load_on_a_rocketkv_server(tiny, tmp_path):
             "--rocketkv",
             '{"prompt_budget": 256}',
             "--model",
-            tiny,
+            model_path,
             "--concurrency",
             "4",
             "--requests",
