@@ -326,6 +326,8 @@ def offer_kept_blocks(vllm_config, request, params: dict) -> bool:
     to decode; the decode engine, which would only continue from that token,
     gets no params and serves the request whole, as a single engine would
     (its first token stops it there too)."""
+    from vllm.v1.request import RequestStatus
+
     from rocketkv_vllm.config import settings_for
     from rocketkv_vllm.plan import plan_request
 
@@ -337,7 +339,7 @@ def offer_kept_blocks(vllm_config, request, params: dict) -> bool:
     plan = plan_request(settings, request.num_prompt_tokens, budget)
     if not plan.compress or request.num_computed_tokens < plan.num_prompt_tokens:
         return True
-    if request.status == _stopped_status():
+    if request.status == RequestStatus.FINISHED_STOPPED:
         return False
     groups = params.get("remote_block_ids")
     if not groups or len(groups) != 1:
@@ -348,12 +350,6 @@ def offer_kept_blocks(vllm_config, request, params: dict) -> bool:
     outputs = request.output_token_ids
     params[STATE_KEY] = prefill_state(settings, plan, budget, outputs[0] if outputs else None)
     return True
-
-
-def _stopped_status():
-    from vllm.v1.request import RequestStatus
-
-    return RequestStatus.FINISHED_STOPPED
 
 
 def receive_kept_blocks(connector_scheduler, request, blocks) -> None:
