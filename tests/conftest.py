@@ -166,6 +166,9 @@ def pytest_configure(config):
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import speed_up
+
+    speed_up()
 
 
 # The test files that take longest, longest first (`make test --durations`

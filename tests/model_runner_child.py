@@ -324,6 +324,9 @@ def run_aborts(runner: str) -> dict:
 
 
 if __name__ == "__main__":
+    from triton_interpreter import speed_up
+
+    speed_up()  # V2's sampler kernels are interpreted here too
     runner, scenario, out = sys.argv[1:4]
     result = run_aborts(runner) if scenario == "abort" else run(runner, scenario)
     with open(out, "w") as f:

@@ -496,7 +496,7 @@ def test_probabilities_out_of_the_fused_selection():
     hkv, g, d, bs, ps = 2, 4, 64, 16, 4
     c, q, args, max_pages, max_select = _batch(hkv, g, d, bs, ps, tk.F32, seed=5)
     table, nc, ts, seq, topk, topr = args[:6]
-    with sms(64):
+    with sms(16):  # 7 scoring splits a row
         probs = torch.full((q.shape[0], hkv, max_pages), 7.0, device=DEVICE)
         triton_ops.hsa_decode_checked(
             q,
