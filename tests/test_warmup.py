@@ -227,7 +227,7 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(
 
     for module in (hsa_score, sparse_decode):
         monkeypatch.setattr(module, "num_sms", lambda device: 6)
-    max_model_len = 2048
+    max_model_len = 1024
     cfg = {"token_budget": 256, "kernel": "triton", "reselect_every": reselect_every}
     b = tb._make_builder(model_path, cfg, max_model_len)
     store = tb._store(b) if reselect_every > 1 else None
@@ -236,7 +236,7 @@ def test_warm_up_launches_every_key_eager_decode_steps_launch(
     table = torch.zeros(9, 512, dtype=torch.int32)
     gen = torch.Generator().manual_seed(5)
     # three requests at the engine's budget, a fourth at its own larger one
-    prompts, own = {0: 1800, 1: 700, 2: 1100, 3: 1800}, {3: 1024}
+    prompts, own = {0: 900, 1: 350, 2: 550, 3: 900}, {3: 512}
     kv, _, _, _ = tb._compressed_requests(s, prompts, table, gen, own)
     compressed = table.clone()
     hq, scale = tb.HKV * tb.G, tb.D**-0.5
