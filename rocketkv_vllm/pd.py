@@ -419,6 +419,8 @@ def emit_first_tokens(scheduler, outputs) -> None:
     nixl = getattr(connector, "connector_scheduler", None)
     if nixl is None:
         return
+    from vllm.v1.engine import FinishReason
+
     pending = getattr(nixl, "rocketkv_first_tokens", None)
     for eco in outputs.values():
         for out in eco.outputs:
@@ -433,7 +435,10 @@ def emit_first_tokens(scheduler, outputs) -> None:
             if not pending:
                 continue
             state = pending.pop(out.request_id, None)
-            if state is None:
+            if state is None or out.finish_reason == FinishReason.ERROR:
+                # A failed pull ends the request with vLLM's error and no
+                # token (kv_load_failure_policy fail): the prefill engine's
+                # token is not sent alone with it.
                 continue
             out.new_token_ids = [state["first_token"], *out.new_token_ids]
             if out.new_logprobs is not None:
