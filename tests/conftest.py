@@ -189,6 +189,7 @@ SLOWEST_FIRST = (
     "test_warmup.py",
     "test_concurrency.py",
     "test_pd_serve.py",
+    "test_pd_faults.py",
     "test_host_tier.py",
     "test_prefix_caching.py",
     "test_serve.py",
