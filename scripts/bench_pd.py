@@ -67,6 +67,10 @@ def _engine(model, backend, rocketkv, engine_id, spawn, args, kv_bytes):
             kv_role="kv_both",
             kv_buffer_device="cpu",
             engine_id=engine_id,
+            # P prefills every request before D gets any: P must hold the
+            # offered blocks past vLLM's 30 s lease (a long prefill batch
+            # outlasts it, and D would then pull blocks P freed)
+            kv_connector_extra_config={"kv_lease_duration": 3600},
         ),
     )
 
