@@ -18,6 +18,8 @@ naming the field (``decode_refusal``).
 
 from __future__ import annotations
 
+import time
+
 # vLLM 0.32's NIXL connectors (``KVConnectorFactory`` names): the pull
 # connector, and its old name; push mode (decode writes) is not supported.
 NIXL_PULL_CONNECTORS = ("NixlConnector", "NixlPullConnector")
@@ -102,7 +104,7 @@ def pd_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
     budget = pd_budget(params, side)
     plan = plan_request(settings, num_prompt_tokens, budget)
     state = decode_state(params.extra_args.get("kv_transfer_params"))
-    reason = decode_refusal(settings, state, plan, budget)
+    reason = decode_refusal(settings, state, plan, budget, lease_s(vllm_config))
     transfer = vllm_config.kv_transfer_config
     policy = getattr(transfer, "kv_load_failure_policy", "fail")
     if reason is None and state is not None and policy != "fail":
@@ -169,9 +171,31 @@ def kept_block_indices(plan, block_size: int, num_blocks: int) -> list[int]:
     return [j for j in range(num_blocks) if not start <= j < end]
 
 
-def prefill_state(settings, plan, budget, first_token: int | None) -> dict:
+# vLLM's default ``kv_lease_duration`` (kv_connector_extra_config): how long
+# a prefill engine keeps blocks it offered that no decode engine has claimed
+LEASE_DEFAULT_S = 30
+# Slack on top of the decode engine's first heartbeat: its input processing
+# before the scheduler sees the request, and the two hosts' clocks
+LEASE_SLACK_S = 1.0
+
+
+def lease_s(vllm_config) -> float:
+    """This engine's ``kv_lease_duration``: on a prefill engine how long it
+    holds an offer; on a decode engine its heartbeats come every sixth of
+    it (vLLM's NIXL scheduler)."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None:
+        return LEASE_DEFAULT_S
+    return float(transfer.get_from_extra_config("kv_lease_duration", LEASE_DEFAULT_S))
+
+
+def prefill_state(
+    settings, plan, budget, first_token: int | None, lease: float, offered_at: float | None = None
+) -> dict:
     """The compression state of a compressed P/D request, for the decode
-    engine (``kv_transfer_params[STATE_KEY]``)."""
+    engine (``kv_transfer_params[STATE_KEY]``). ``offered_at`` (wall clock,
+    now by default) and ``lease``: until when the prefill engine holds the
+    kept blocks for a decode engine that has not claimed them."""
     return {
         "prompt_len": plan.num_prompt_tokens,
         "budget": budget,  # the budget the prefill engine planned with
@@ -182,6 +206,8 @@ def prefill_state(settings, plan, budget, first_token: int | None) -> dict:
         "digest": settings_digest(settings),
         "settings": agreed_settings(settings),
         "first_token": first_token,
+        "offered_at": time.time() if offered_at is None else offered_at,
+        "lease_s": lease,
     }
 
 
@@ -194,10 +220,14 @@ def decode_state(kv_transfer_params) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
-def decode_refusal(settings, state: dict | None, plan, budget) -> str | None:
+def decode_refusal(
+    settings, state: dict | None, plan, budget, lease: float = LEASE_DEFAULT_S
+) -> str | None:
     """Why the decode engine cannot continue a request the prefill engine
     compressed (None: it can): the plans or settings of the two engines
-    differ, or one side compressed and the other did not."""
+    differ, one side compressed and the other did not, or the prefill
+    engine's hold on the kept blocks may have lapsed before this engine's
+    first heartbeat (``lease``: this engine's ``kv_lease_duration``)."""
     key = f"kv_transfer_params.{DECODE_SIDE}"
     if state is None:
         if not plan.compress:
@@ -229,6 +259,25 @@ def decode_refusal(settings, state: dict | None, plan, budget) -> str | None:
             f"kv_transfer_params.{STATE_KEY}.first_token is missing ({key}): the decode "
             f"engine continues a compressed prompt from the prefill engine's token; send "
             f"the params the prefill engine returned"
+        )
+    offered_at, held = state.get("offered_at"), state.get("lease_s")
+    if not all(isinstance(v, (int, float)) for v in (offered_at, held)):
+        return (
+            f"kv_transfer_params.{STATE_KEY}.offered_at / lease_s is missing ({key}): send "
+            f"the params the prefill engine returned"
+        )
+    # vLLM's pull reads the prefill engine's blocks without asking it: past
+    # its lease they may hold another request's K/V. This engine's heartbeats
+    # renew the lease once its scheduler has the request, every sixth of its
+    # own lease; refuse what arrives too late for the first one.
+    age = time.time() - offered_at
+    if age > held - lease / 6 - LEASE_SLACK_S:
+        return (
+            f"kv_transfer_params.{STATE_KEY}.offered_at: the prefill engine offered these "
+            f"blocks {age:.1f} s ago and holds them for kv_lease_duration {held:g} s "
+            f"({key}); this decode engine's first heartbeat (every {lease / 6:g} s) could "
+            f"come too late, and the blocks may hold another request's K/V. Send the "
+            f"prefill engine's answer on at once, or raise its kv_lease_duration"
         )
     if state.get("prompt_len") != plan.num_prompt_tokens:
         return (
@@ -348,7 +397,9 @@ def offer_kept_blocks(vllm_config, request, params: dict) -> bool:
     kept = [ids[j] for j in kept_block_indices(plan, settings.block_size, len(ids))]
     params["remote_block_ids"] = type(groups)([kept]) if isinstance(groups, tuple) else [kept]
     outputs = request.output_token_ids
-    params[STATE_KEY] = prefill_state(settings, plan, budget, outputs[0] if outputs else None)
+    params[STATE_KEY] = prefill_state(
+        settings, plan, budget, outputs[0] if outputs else None, lease_s(vllm_config)
+    )
     return True
 
 

@@ -43,7 +43,7 @@ from test_pd_nixl import (
 
 pytestmark = pytest.mark.engine
 
-LEASE = 8  # seconds P keeps blocks it offered and nobody pulled
+LEASE = 12  # seconds P keeps blocks it offered and nobody pulled (D: its heartbeats, every 2 s)
 BOUND = 90  # seconds any one call into D may take before it counts as a hang
 
 
@@ -61,7 +61,9 @@ def _leased_config(engine_id: str, lease: int | None):
 
 
 def _start_leased_pair(model, lease: int):
-    """``test_pd_nixl._start_pair`` with P's lease set (D keeps vLLM's)."""
+    """``test_pd_nixl._start_pair`` with both engines' lease set (P's: how
+    long it holds an offer; D's: its heartbeats come every sixth of it, and
+    it refuses a compressed request arriving too late for the first)."""
     from vllm.utils.network_utils import get_open_port
 
     _fresh_env(get_open_port())
@@ -74,7 +76,7 @@ def _start_leased_pair(model, lease: int):
             model,
             "ROCKETKV",
             ROCKETKV_SETTINGS,
-            kv_transfer_config=_leased_config("D", None),
+            kv_transfer_config=_leased_config("D", lease),
             spawn=True,
         )
     except BaseException:
@@ -198,6 +200,9 @@ def faults(tiny, tokenizer):
         rec["lost_compressed"] = "rocketkv" in lost
         freed = _wait_free(prefill, prompts, start, prefilled + LEASE + 30)
         rec["lost_freed_after"] = None if freed is None else freed - prefilled
+        # ... and D, given those params after the lease, refuses them (the
+        # blocks may hold another request's K/V now) before it pulls.
+        rec["late"] = _decode(decode, prompts, {"late": ("c600", lost)})
 
         # 3. Failed transfers beside a good one, in one batch of D's: P's
         # params pointing at an engine nobody listens for, and at blocks P
@@ -256,6 +261,9 @@ def faults(tiny, tokenizer):
         rec["orphan_compressed"] = "rocketkv" in orphan
         shutdown(prefill)
         prefill = None
+        # The shutdown takes seconds (15 s under load): hand the params on as
+        # if at once, or D refuses them for P's lease before any pull.
+        orphan["rocketkv"] = dict(orphan["rocketkv"], offered_at=time.time())
         rec["orphan"] = _decode(decode, prompts, {"orphan": ("kept", orphan)})
         rec["orphan_decode_free"] = _decode_free(decode)
         rec["after"] = _decode(decode, prompts, {"probe": ("probe", None), "c300": ("c300", None)})
@@ -276,13 +284,18 @@ def _errored(outcome: dict) -> bool:
 def test_prefill_frees_what_nobody_pulled_after_its_lease(faults):
     """P prefilled a compressed prompt for D and D never pulled it: P held
     exactly the kept blocks it offered, and has them back once its lease
-    ran out (not before), within a few seconds of it."""
+    ran out (not before), within a few seconds of it. Those params sent to
+    D afterwards are refused by name (vLLM's pull would read blocks P may
+    have reused)."""
     rec = faults
     assert rec["lost_compressed"]
     assert rec["lost_held"] == rec["lost_offered"] > 0
     took = rec["lost_freed_after"]
     assert took is not None, "P still holds the blocks it offered"
     assert rec["lease"] <= took < rec["lease"] + 15, took
+    # D refuses the request when it arrives, naming the field and the lease
+    assert "offered_at" in rec["late"].get("error", ""), rec["late"]
+    assert "kv_lease_duration 12" in rec["late"]["error"], rec["late"]
 
 
 def test_decode_abort_before_the_pull_leaks_nothing(faults):

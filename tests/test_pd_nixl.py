@@ -20,6 +20,7 @@ succeeds only when no block is held). Each pair runs once per module
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -377,7 +378,7 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
 
     def state(n=600, budget=None, **changes):
         plan = plan_request(settings, n, budget)
-        out = prefill_state(settings, plan, budget, 7)
+        out = prefill_state(settings, plan, budget, 7, 30)
         out.update(changes)
         return out
 
@@ -396,6 +397,7 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
     process(long_prompt, 16)  # no transfer: compressed locally
     process(long_prompt, 16, None, dict(remote, **{STATE_KEY: state()}))
     process(long_prompt, 16, 64, dict(remote, **{STATE_KEY: state(budget=64)}))
+    process(long_prompt, 16, None, dict(remote, **{STATE_KEY: state(offered_at=time.time() - 20)}))
     refused = {
         "no state": (dict(remote), None, "carry no kv_transfer_params.rocketkv"),
         "settings": (
@@ -410,6 +412,14 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
         "dense here": (dict(remote, **{STATE_KEY: state()}), 0, "plans it dense"),
         "length": (dict(remote, **{STATE_KEY: state(n=599)}), None, "prompt_len 599"),
         "first token": (dict(remote, **{STATE_KEY: state(first_token=None)}), None, "first_token"),
+        # P's 30 s lease, D's heartbeats every 5 s (its own 30 s lease): what
+        # arrives more than 24 s after the offer may read reused blocks
+        "late": (
+            dict(remote, **{STATE_KEY: state(offered_at=time.time() - 25)}),
+            None,
+            "offered these blocks 25",
+        ),
+        "no lease": (dict(remote, **{STATE_KEY: state(lease_s=None)}), None, "lease_s is missing"),
     }
     for name, (kv, budget, words) in refused.items():
         with pytest.raises(VLLMValidationError) as err:
@@ -503,7 +513,7 @@ def test_decode_side_allocates_only_the_kept_blocks():
     def pulled(rid, state, budget=None):
         kv = {"do_remote_prefill": True, "remote_block_ids": ([1],)}
         if state:
-            kv[STATE_KEY] = prefill_state(settings, plan, None, 5)
+            kv[STATE_KEY] = prefill_state(settings, plan, None, 5, 30)
         extra = {"kv_transfer_params": kv}
         if budget is not None:
             extra["rocketkv_token_budget"] = budget
