@@ -189,13 +189,11 @@ def lease_s(vllm_config) -> float:
     return float(transfer.get_from_extra_config("kv_lease_duration", LEASE_DEFAULT_S))
 
 
-def prefill_state(
-    settings, plan, budget, first_token: int | None, lease: float, offered_at: float | None = None
-) -> dict:
+def prefill_state(settings, plan, budget, first_token: int | None, lease: float) -> dict:
     """The compression state of a compressed P/D request, for the decode
     engine (``kv_transfer_params[STATE_KEY]``). ``offered_at`` (wall clock,
-    now by default) and ``lease``: until when the prefill engine holds the
-    kept blocks for a decode engine that has not claimed them."""
+    now) and ``lease``: until when the prefill engine holds the kept blocks
+    for a decode engine that has not claimed them."""
     return {
         "prompt_len": plan.num_prompt_tokens,
         "budget": budget,  # the budget the prefill engine planned with
@@ -206,7 +204,7 @@ def prefill_state(
         "digest": settings_digest(settings),
         "settings": agreed_settings(settings),
         "first_token": first_token,
-        "offered_at": time.time() if offered_at is None else offered_at,
+        "offered_at": time.time(),
         "lease_s": lease,
     }
 
@@ -220,9 +218,7 @@ def decode_state(kv_transfer_params) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
-def decode_refusal(
-    settings, state: dict | None, plan, budget, lease: float = LEASE_DEFAULT_S
-) -> str | None:
+def decode_refusal(settings, state: dict | None, plan, budget, lease: float) -> str | None:
     """Why the decode engine cannot continue a request the prefill engine
     compressed (None: it can): the plans or settings of the two engines
     differ, one side compressed and the other did not, or the prefill

@@ -68,6 +68,7 @@ def _scheduler(manager, dp_index=0):
     return SimpleNamespace(
         log_stats=True,
         kv_cache_manager=kv_cache_manager,
+        connector=None,
         connector_prefix_cache_stats=None,
         kv_metrics_collector=None,
         get_request_counts=lambda: (3, 2),

@@ -36,53 +36,15 @@ from test_pd_nixl import (
     PREFILL,
     ROCKETKV_SETTINGS,
     _free_blocks,
-    _fresh_env,
     _prompts,
     _sampling,
+    _start_pair,
 )
 
 pytestmark = pytest.mark.engine
 
 LEASE = 12  # seconds P keeps blocks it offered and nobody pulled (D: its heartbeats, every 2 s)
 BOUND = 90  # seconds any one call into D may take before it counts as a hang
-
-
-def _leased_config(engine_id: str, lease: int | None):
-    from vllm.config import KVTransferConfig
-
-    extra = {} if lease is None else {"kv_lease_duration": lease}
-    return KVTransferConfig(
-        kv_connector="NixlConnector",
-        kv_role="kv_both",
-        kv_buffer_device="cpu",
-        engine_id=engine_id,
-        kv_connector_extra_config=extra,
-    )
-
-
-def _start_leased_pair(model, lease: int):
-    """``test_pd_nixl._start_pair`` with both engines' lease set (P's: how
-    long it holds an offer; D's: its heartbeats come every sixth of it, and
-    it refuses a compressed request arriving too late for the first)."""
-    from vllm.utils.network_utils import get_open_port
-
-    _fresh_env(get_open_port())
-    prefill = make_llm(
-        model, "ROCKETKV", ROCKETKV_SETTINGS, kv_transfer_config=_leased_config("P", lease)
-    )
-    try:
-        _fresh_env(get_open_port())
-        decode = make_llm(
-            model,
-            "ROCKETKV",
-            ROCKETKV_SETTINGS,
-            kv_transfer_config=_leased_config("D", lease),
-            spawn=True,
-        )
-    except BaseException:
-        shutdown(prefill)
-        raise
-    return prefill, decode
 
 
 def _bounded(fn, seconds: float = BOUND):
@@ -188,7 +150,9 @@ def faults(tiny, tokenizer):
         rec["single"] = {n: ids_and_logprobs(o) for n, o in zip(local, outs)}
     finally:
         shutdown(llm)
-    prefill, decode = _start_leased_pair(tiny, LEASE)
+    # both leases set: P's, how long it holds an offer; D's, its heartbeats
+    # come every sixth of it and it refuses what arrives too late for one
+    prefill, decode = _start_pair(tiny, "ROCKETKV", ROCKETKV_SETTINGS, lease=LEASE)
     try:
         start = rec["start"] = _free_blocks(prefill)
         # 1. D never pulls: P holds the kept blocks it offered until its

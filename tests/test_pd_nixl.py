@@ -31,7 +31,8 @@ MAX_TOKENS = 8
 BLOCK = 32  # ROCKETKV's and CPU_ATTN's block size on vLLM's CPU build
 
 
-def _nixl_config(engine_id: str):
+def _nixl_config(engine_id: str, lease: int | None = None):
+    """``lease``: the engine's ``kv_lease_duration`` (None: vLLM's 30 s)."""
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -39,6 +40,7 @@ def _nixl_config(engine_id: str):
         kv_role="kv_both",
         kv_buffer_device="cpu",
         engine_id=engine_id,
+        kv_connector_extra_config={} if lease is None else {"kv_lease_duration": lease},
     )
 
 
@@ -134,15 +136,15 @@ def _plan(prompt_len: int, budget):
     return plan_request(settings, prompt_len, budget)
 
 
-def _start_pair(model, backend, rocketkv):
+def _start_pair(model, backend, rocketkv, lease: int | None = None):
     from vllm.utils.network_utils import get_open_port
 
     _fresh_env(get_open_port())
-    prefill = make_llm(model, backend, rocketkv, kv_transfer_config=_nixl_config("P"))
+    prefill = make_llm(model, backend, rocketkv, kv_transfer_config=_nixl_config("P", lease))
     try:
         _fresh_env(get_open_port())
         decode = make_llm(
-            model, backend, rocketkv, kv_transfer_config=_nixl_config("D"), spawn=True
+            model, backend, rocketkv, kv_transfer_config=_nixl_config("D", lease), spawn=True
         )
     except BaseException:
         shutdown(prefill)

@@ -98,7 +98,7 @@ def _update_from_output(original):
         # Here, not in make_stats: these stats go to the frontend, while
         # vLLM's crash dump also calls make_stats and would take the gains.
         attach_account(outputs, self.kv_cache_manager)  # never raises
-        if getattr(self, "connector", None) is not None:  # (stand-ins in tests lack it)
+        if self.connector is not None:
             from rocketkv_vllm.pd import emit_first_tokens
 
             emit_first_tokens(self, outputs)  # P/D: the prefill engine's first token
