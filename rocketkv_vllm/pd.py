@@ -105,6 +105,8 @@ def pd_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
     plan = plan_request(settings, num_prompt_tokens, budget)
     state = decode_state(params.extra_args.get("kv_transfer_params"))
     reason = decode_refusal(settings, state, plan, budget, lease_s(vllm_config))
+    if reason is None and state is not None:
+        reason = offered_blocks_refusal(settings, plan, params.extra_args["kv_transfer_params"])
     transfer = vllm_config.kv_transfer_config
     policy = getattr(transfer, "kv_load_failure_policy", "fail")
     if reason is None and state is not None and policy != "fail":
@@ -291,6 +293,31 @@ def decode_refusal(settings, state: dict | None, plan, budget, lease: float) -> 
             "to the decode engine)"
         )
     return None
+
+
+def offered_blocks_refusal(settings, plan, kv_transfer_params: dict) -> str | None:
+    """Why a compressed offer's ``remote_block_ids`` cannot be pulled (None:
+    it can): they must name the kept blocks of the prompt the prefill engine
+    compressed (``kept_block_indices``, one KV cache group), the blocks this
+    engine allocates for it. Checked when the request arrives: any other
+    count would stop this engine's scheduler (``receive_kept_blocks``)."""
+    num_blocks = -(-plan.num_prompt_tokens // settings.block_size)
+    want = len(kept_block_indices(plan, settings.block_size, num_blocks))
+    groups = kv_transfer_params.get("remote_block_ids")
+    ids = groups[0] if isinstance(groups, (list, tuple)) and len(groups) == 1 else None
+    if (
+        isinstance(ids, (list, tuple))
+        and len(ids) == want
+        and all(type(i) is int and i >= 0 for i in ids)
+    ):
+        return None
+    got = f"{len(ids)} block ids" if isinstance(ids, (list, tuple)) else repr(groups)[:80]
+    return (
+        f"kv_transfer_params.remote_block_ids: the offer of a compressed "
+        f"{plan.num_prompt_tokens}-token prompt names its {want} kept blocks, one list of "
+        f"block ids in one KV cache group; got {got} (kv_transfer_params.{DECODE_SIDE}). "
+        f"Send the params the prefill engine returned"
+    )
 
 
 def validate_pd_request(vllm_config, engine_request) -> None:

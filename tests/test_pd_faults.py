@@ -1,6 +1,7 @@
 """Disaggregated prefill and decode when something goes wrong (issue 60,
 item 3): the decode engine D never pulls what the prefill engine P offered,
-the pull fails, or P is gone before D pulls. ROCKETKV on both sides, the
+the pull fails, P is gone before D pulls, or D is vLLM without this
+package. ROCKETKV on both sides (but in that last case), the
 tiny model, compressed prompts (P offers the kept blocks only, with the
 compression state), vLLM's NixlConnector in pull mode as in
 ``test_pd_nixl`` (whose helpers this module reuses).
@@ -21,13 +22,17 @@ connector's 5 s receive timeout; blocks P does not have fail the transfer
 setup at once (NIXL refuses the descriptors); a P that shut down fails it
 at once too (NIXL_ERR_REMOTE_DISCONNECT). P frees offered blocks nobody
 pulled when its lease runs out, and at once when D aborts a request before
-pulling it (vLLM's D side notifies P of a request it will not pull).
+pulling it (vLLM's D side notifies P of a request it will not pull). A
+decode engine without this package pulls into a whole prompt's blocks and
+vLLM's worker refuses fewer offered blocks than that (an assertion in its
+prefix-caching trim, caught as a failed transfer): "error" again.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ids_and_logprobs, make_llm, same_completion, shutdown
@@ -43,6 +48,7 @@ from test_pd_nixl import (
 
 pytestmark = pytest.mark.engine
 
+PLAIN_DECODE_CHILD = Path(__file__).with_name("pd_plain_decode_child.py")
 LEASE = 12  # seconds P keeps blocks it offered and nobody pulled (D: its heartbeats, every 2 s)
 BOUND = 90  # seconds any one call into D may take before it counts as a hang
 
@@ -133,8 +139,33 @@ def _decode_free(decode, seconds: float = 15.0) -> bool:
         time.sleep(0.5)
 
 
+def _plain_decode(model: str, folder, requests) -> dict:
+    """``requests`` ((prompt ids, kv params or None), ...) in one batch of a
+    decode engine without this package (``pd_plain_decode_child.py``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from vllm.utils.network_utils import get_open_port
+
+    src, out = folder / "requests.json", folder / "out.json"
+    src.write_text(json.dumps([{"prompt": p, "kv": kv} for p, kv in requests]))
+    env = dict(os.environ, VLLM_NIXL_SIDE_CHANNEL_PORT=str(get_open_port()))
+    proc = subprocess.run(
+        [sys.executable, str(PLAIN_DECODE_CHILD), model, str(src), str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
-def faults(tiny, tokenizer):
+def faults(tiny, tokenizer, tmp_path_factory):
     from vllm.utils.network_utils import get_open_port
 
     prompts = _prompts(tokenizer)
@@ -186,6 +217,12 @@ def faults(tiny, tokenizer):
             },
         )
         rec["batch_decode_free"] = _decode_free(decode)
+        # An offer one block short (a client's doing): refused when it
+        # arrives, and D serves on (the cases below); its scheduler would
+        # have failed on it.
+        short = dict(params["c300"], remote_block_ids=[params["c300"]["remote_block_ids"][0][:-1]])
+        short["rocketkv"] = dict(short["rocketkv"], offered_at=time.time())
+        rec["short_offer"] = _decode(decode, prompts, {"short": ("c300", short)})
         # P held c230's and c150's kept blocks for pulls that never came.
         freed = _wait_free(prefill, prompts, start, time.monotonic() + LEASE + 30)
         rec["batch_prefill_free"] = freed is not None
@@ -218,6 +255,23 @@ def faults(tiny, tokenizer):
         rec["abort_decode_free"] = _decode_free(decode)
         freed = _wait_free(prefill, prompts, before, prefilled + LEASE + 30)
         rec["abort_freed_after"] = None if freed is None else freed - prefilled
+
+        # 4. A decode engine without this package (vLLM alone, in a process
+        # of its own) given a compressed offer, beside a local request.
+        before = _free_blocks(prefill)
+        (plain,) = _prefill(prefill, prompts, ["c600"]).values()
+        prefilled = time.monotonic()
+        rec["plain_compressed"] = "rocketkv" in plain
+        rec["plain"] = _plain_decode(
+            tiny,
+            tmp_path_factory.mktemp("plain"),
+            [(prompts["c600"], plain), (prompts["short"], None)],
+        )
+        # vLLM's D heartbeats P's lease while it holds the request
+        ended = time.monotonic()
+        freed = _wait_free(prefill, prompts, before, ended + LEASE + 30)
+        rec["plain_decode_s"] = ended - prefilled
+        rec["plain_prefill_free_after"] = None if freed is None else freed - ended
 
         # 2. P gone before D pulls: P prefilled and returned its params,
         # then shut down (its NIXL agent gone), then D gets the request.
@@ -289,6 +343,9 @@ def test_failed_pulls_error_their_requests_and_spare_the_batch(faults):
     assert same_completion(batch["local"]["completion"], single["short"]), batch["local"]
     assert faults["batch_decode_free"]
     assert faults["batch_prefill_free"]
+    # params whose block list does not match the plan are refused by name
+    # when they arrive (D serves on: every case after this one)
+    assert "kv_transfer_params.remote_block_ids" in faults["short_offer"].get("error", "")
 
 
 def test_prefill_gone_before_the_pull(faults):
@@ -307,3 +364,19 @@ def test_prefill_gone_before_the_pull(faults):
     for name in ("probe", "c300"):
         assert same_completion(after[name]["completion"], single[name]), (name, after[name])
     assert faults["after_decode_free"]
+
+
+def test_decode_engine_without_the_package_errors_the_compressed_request(faults):
+    """A ROCKETKV P's compressed offer sent to a decode engine that never
+    installed this package (vLLM alone, its own backend): vLLM's pull finds
+    fewer offered blocks than the prompt's and fails the transfer, so the
+    request ends with "error" and no token, never with tokens decoded from
+    compacted K/V it cannot read; the local request beside it is served,
+    and P gets the offered blocks back (after its lease)."""
+    assert faults["plain_compressed"]
+    plain = faults["plain"]
+    assert plain["rocketkv_modules"] == []  # nothing of ours ran there
+    compressed, local = plain["outputs"]
+    assert _errored(compressed), compressed
+    assert local["finish_reason"] == "length" and len(local["token_ids"]) == 8, local
+    assert faults["plain_prefill_free_after"] is not None, faults["plain_decode_s"]

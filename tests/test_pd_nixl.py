@@ -355,7 +355,13 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
     from vllm.v1.engine.input_processor import InputProcessor
 
     from rocketkv_vllm.config import settings_for
-    from rocketkv_vllm.pd import STATE_KEY, pd_budget, prefill_state, validate_pd_request
+    from rocketkv_vllm.pd import (
+        STATE_KEY,
+        kept_block_indices,
+        pd_budget,
+        prefill_state,
+        validate_pd_request,
+    )
     from rocketkv_vllm.plan import plan_request
     from rocketkv_vllm.plugin import register
     from rocketkv_vllm.requests import planned_budget
@@ -392,14 +398,21 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
     assert planned_budget(_sampling(1, None, prefill)) is None  # not dense
     assert planned_budget(_sampling(1)) == 0  # scoring stays dense
     # Decode side.
-    remote = {"do_remote_prefill": True, "remote_block_ids": ([1],)}
+    # a compressed 600-token prompt offers its kept blocks (budget 96: the
+    # compaction targets and the tail)
+    kept = len(kept_block_indices(plan_request(settings, 600, None), settings.block_size, 19))
+    assert kept == 4
+    remote = {"do_remote_prefill": True, "remote_block_ids": (list(range(1, kept + 1)),)}
     process(long_prompt, 16, 0, remote)  # own budget 0: dense
     process(short_prompt, 16, None, remote)  # within the budget
     process(long_prompt, 1, None, remote)  # decodes nothing: dense
     process(long_prompt, 16)  # no transfer: compressed locally
     process(long_prompt, 16, None, dict(remote, **{STATE_KEY: state()}))
-    process(long_prompt, 16, 64, dict(remote, **{STATE_KEY: state(budget=64)}))
+    kept_64 = kept_block_indices(plan_request(settings, 600, 64), settings.block_size, 19)
+    offer_64 = {"remote_block_ids": [list(range(1, len(kept_64) + 1))]}
+    process(long_prompt, 16, 64, dict(remote, **offer_64, **{STATE_KEY: state(budget=64)}))
     process(long_prompt, 16, None, dict(remote, **{STATE_KEY: state(offered_at=time.time() - 20)}))
+    offer_state = {STATE_KEY: state()}
     refused = {
         "no state": (dict(remote), None, "carry no kv_transfer_params.rocketkv"),
         "settings": (
@@ -422,6 +435,23 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
             "offered these blocks 25",
         ),
         "no lease": (dict(remote, **{STATE_KEY: state(lease_s=None)}), None, "lease_s is missing"),
+        # what D allocates and pulls into: the kept blocks, one group
+        "one block short": (
+            dict(remote, remote_block_ids=[remote["remote_block_ids"][0][:-1]], **offer_state),
+            None,
+            "remote_block_ids: the offer of a compressed 600-token prompt names its 4 kept "
+            "blocks, one list of block ids in one KV cache group; got 3 block ids",
+        ),
+        "two groups": (
+            dict(remote, remote_block_ids=[[1], [2]], **offer_state),
+            None,
+            "got [[1], [2]]",
+        ),
+        "not ids": (
+            dict(remote, remote_block_ids=[["1"] * kept], **offer_state),
+            None,
+            "got 4 block ids",
+        ),
     }
     for name, (kv, budget, words) in refused.items():
         with pytest.raises(VLLMValidationError) as err:
