@@ -97,16 +97,20 @@ def pd_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
     side = transfer_side(params)
     if side != "decode":
         return None
+    kv = params.extra_args["kv_transfer_params"]
+    reason = parallel_layout_refusal(vllm_config, kv)
+    if reason is not None:
+        return reason
     from rocketkv_vllm.config import settings_for
     from rocketkv_vllm.plan import plan_request
 
     settings = settings_for(vllm_config)
     budget = pd_budget(params, side)
     plan = plan_request(settings, num_prompt_tokens, budget)
-    state = decode_state(params.extra_args.get("kv_transfer_params"))
+    state = decode_state(kv)
     reason = decode_refusal(settings, state, plan, budget, lease_s(vllm_config))
     if reason is None and state is not None:
-        reason = offered_blocks_refusal(settings, plan, params.extra_args["kv_transfer_params"])
+        reason = offered_blocks_refusal(settings, plan, kv)
     transfer = vllm_config.kv_transfer_config
     policy = getattr(transfer, "kv_load_failure_policy", "fail")
     if reason is None and state is not None and policy != "fail":
@@ -123,6 +127,38 @@ def pd_refusal(vllm_config, params, num_prompt_tokens: int) -> str | None:
             f"decode engine with VLLM_USE_V2_MODEL_RUNNER=0"
         )
     return reason
+
+
+def parallel_layout_refusal(vllm_config, kv_transfer_params: dict) -> str | None:
+    """Why a ROCKETKV decode engine cannot pull from the prefill engine that
+    wrote these params (None: it can): the two must split the model alike.
+    NIXL registers ROCKETKV's caches as whole block rows (``whole_block_rows``:
+    K, V and the KT pages in the padding), and vLLM's reads across different
+    tensor-parallel sizes cut each remote block by heads, which those rows
+    do not expose. Dense requests too: their blocks have the same rows."""
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    ours = {
+        # vLLM's NIXL scheduler offers max(TP, DCP) as its transfer TP size
+        "tp_size": max(parallel.tensor_parallel_size, dcp),
+        "dcp_size": dcp,
+        "pp_size": parallel.pipeline_parallel_size,
+    }
+    named = [
+        f"kv_transfer_params.{key} {kv_transfer_params.get(key, 1)!r} on the prefill engine, "
+        f"{here} here"
+        for key, here in ours.items()
+        if kv_transfer_params.get(key, 1) != here
+    ]
+    if not named:
+        return None
+    return (
+        "ROCKETKV pulls only between engines of the same parallel layout (its blocks carry "
+        "KT pages that vLLM's cross-size reads do not place): "
+        + "; ".join(named)
+        + f" (kv_transfer_params.{DECODE_SIDE}). Run both engines with the same "
+        "tensor-, pipeline- and decode-context-parallel sizes"
+    )
 
 
 # The compression state the prefill engine adds to the params it hands the

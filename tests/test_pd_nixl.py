@@ -486,6 +486,15 @@ def test_pd_requests_are_checked_when_they_arrive(tiny):
             params=_sampling(16, 0, remote),
             supported_tasks=("generate",),
         )
+    # Both engines split the model alike (the prefill engine's sizes ride in
+    # its params, as vLLM's NIXL scheduler writes them), dense requests too.
+    process(long_prompt, 16, 0, dict(remote, tp_size=1, pp_size=1, dcp_size=1))
+    for key, budget in (("tp_size", 0), ("pp_size", None), ("dcp_size", 0)):
+        kv = dict(remote, **{key: 2}, **(offer_state if budget is None else {}))
+        with pytest.raises(VLLMValidationError) as err:
+            process(long_prompt, 16, budget, kv)
+        assert f"kv_transfer_params.{key} 2 on the prefill engine, 1 here" in str(err.value)
+        assert "same parallel layout" in str(err.value)
     # A prompt given as embeddings is planned by its length as ids are.
     embeds = SimpleNamespace(
         sampling_params=_sampling(16, None, remote),
