@@ -300,7 +300,11 @@ def _rocketkv_tokens(model_path, cfg, prompts, max_tokens, testing=None):
 def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(tiny, tokenizer):
     """kt_dtype fp8_e4m3 in the engine: the native CPU kernel and batched
     PyTorch (two implementations of the fp8 rows) choose the same pages, and
-    the smaller KT rows leave room for more KV blocks."""
+    the smaller KT rows leave room for more KV blocks. The two sum the page
+    scores in another order (the native kernel's order follows the CPU's
+    vector width), so a page at a near tie may go either way: seen once on
+    an AVX-512 CPU, one step of 32 at 0.016 in its logprob, the tokens the
+    same. A wrong fp8 row would move many steps."""
     prompts = [
         build_needle_prompt(tokenizer, 1400, 0.4, seed=41).prompt,
         build_needle_prompt(tokenizer, 2300, 0.6, seed=42).prompt,
@@ -308,8 +312,12 @@ def test_fp8_kt_pages_give_the_same_tokens_in_both_cpu_paths(tiny, tokenizer):
     cfg = {"token_budget": 256, "kt_dtype": "fp8_e4m3"}
     native, fp8_blocks = _rocketkv_tokens(tiny, cfg, prompts, 16)
     reference, _ = _rocketkv_tokens(tiny, dict(cfg, kernel="torch"), prompts, 16)
+    steps_apart = 0
     for i, (a, b) in enumerate(zip(native, reference)):
-        assert same_completion(a, b), i
+        assert a[0] == b[0], i
+        assert a[1] == pytest.approx(b[1], abs=0.05), i
+        steps_apart += sum(abs(x - y) > 1e-4 for x, y in zip(a[1], b[1]))
+    assert steps_apart <= 1, steps_apart
     bf16_blocks = _rocketkv_tokens(tiny, {"token_budget": 256}, prompts[:1], 1)[1]
     assert fp8_blocks > bf16_blocks, (fp8_blocks, bf16_blocks)
 
