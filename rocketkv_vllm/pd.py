@@ -337,7 +337,9 @@ def offered_blocks_refusal(settings, plan, kv_transfer_params: dict) -> str | No
     compressed (``kept_block_indices``, one KV cache group), the blocks this
     engine allocates for it. Checked when the request arrives: any other
     count would stop this engine's scheduler (``receive_kept_blocks``)."""
-    num_blocks = -(-plan.num_prompt_tokens // settings.block_size)
+    from rocketkv_vllm.plan import cdiv
+
+    num_blocks = cdiv(plan.num_prompt_tokens, settings.block_size)
     want = len(kept_block_indices(plan, settings.block_size, num_blocks))
     groups = kv_transfer_params.get("remote_block_ids")
     ids = groups[0] if isinstance(groups, (list, tuple)) and len(groups) == 1 else None

@@ -30,6 +30,10 @@ prefix-caching trim, caught as a failed transfer): "error" again.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -142,11 +146,6 @@ def _decode_free(decode, seconds: float = 15.0) -> bool:
 def _plain_decode(model: str, folder, requests) -> dict:
     """``requests`` ((prompt ids, kv params or None), ...) in one batch of a
     decode engine without this package (``pd_plain_decode_child.py``)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from vllm.utils.network_utils import get_open_port
 
     src, out = folder / "requests.json", folder / "out.json"
