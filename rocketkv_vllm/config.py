@@ -118,6 +118,15 @@ class RocketKVConfig:
         "attention of every prompt query; needs prefix caching off)",
         kind=KEEP_RULE_CHOICES,
     )
+    stage1_lead_layer: int = knob(
+        0,
+        "compressed layers before this layer index keep the prompt positions that the "
+        "first compressed layer at or after it chose, per KV head, instead of scoring "
+        "their own (0: every layer chooses, the reference); early layers' window "
+        "attention misses facts later layers keep (docs/keep-rules.md)",
+        lo=0,
+        hi=4096,
+    )
     page_size: int | None = knob(
         None,
         "tokens per KT page; a power of two dividing the KV block size "

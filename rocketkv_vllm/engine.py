@@ -18,6 +18,7 @@ from vllm.logger import init_logger
 from rocketkv_vllm.config import (
     CONFIG_KEY,
     TEST_AIDS_KEY,
+    RocketKVConfigError,
     RocketKVSettings,
     _normalized,
     settings_for,
@@ -314,6 +315,7 @@ def check_kv_cache_spec(kv_cache_spec: dict, vllm_config) -> None:
             f"model has none (its KV cache layers: {', '.join(kinds)}); serve it "
             "with vLLM's own backend"
         )
+    check_stage1_lead_layer(kv_cache_spec, vllm_config)
     if len(kinds) > 1 and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         # vLLM would then allocate every layer as full attention in one block
         # table: Stage 1 could give back no block, nor cap a prefix hit.
@@ -323,6 +325,34 @@ def check_kv_cache_spec(kv_cache_spec: dict, vllm_config) -> None:
             "--disable-hybrid-kv-cache-manager or a KV connector without hybrid "
             f"support) on a model whose KV cache layers are of several kinds "
             f"({', '.join(kinds)}); leave the hybrid KV cache manager on"
+        )
+
+
+def check_stage1_lead_layer(kv_cache_spec: dict, vllm_config) -> None:
+    """``rocketkv.stage1_lead_layer`` L: the compressed layers before L take the
+    kept positions of the first compressed layer at or after L, which must
+    run in the same forward (this worker's layers)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from rocketkv_vllm.kv_cache import RocketKVAttentionSpec
+
+    lead = settings_for(vllm_config).stage1_lead_layer
+    compressed = sorted(
+        extract_layer_index(name)
+        for name, spec in kv_cache_spec.items()
+        if isinstance(spec, RocketKVAttentionSpec)
+    )
+    if lead and compressed and compressed[-1] < lead:
+        stage = (
+            " on this pipeline stage"
+            if vllm_config.parallel_config.pipeline_parallel_size > 1
+            else ""
+        )
+        raise RocketKVConfigError(
+            f"rocketkv.stage1_lead_layer={lead} is invalid: allowed an integer in "
+            f"[0, {compressed[-1]}] for this model (its compressed layers{stage}: "
+            f"{compressed[0]}..{compressed[-1]}): the layers before it keep the "
+            "positions a compressed layer at or after it chose"
         )
 
 

@@ -175,6 +175,7 @@ AGREED_SETTINGS = (
     "window_size",
     "kernel_size",
     "keep_rule",
+    "stage1_lead_layer",
     "page_size",
     "topk",
     "topr",

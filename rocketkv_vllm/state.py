@@ -199,6 +199,10 @@ class WorkerState:
         self.kept_positions: list[tuple[int, torch.Tensor]] = []
         # ... and under keep_rule h2o the scores each kept by ([Hkv, N] fp32).
         self.kept_h2o_scores: list[torch.Tensor] = []
+        # rocketkv.stage1_lead_layer: the Stage 1 rows of this step's layers
+        # before the lead, by request key, each (impl, layer, kv_cache, row),
+        # compacted by the lead layer's forward in the same step.
+        self.stage1_followers: dict[int | str, list[tuple]] = {}
 
 
 _WORKERS: dict[int, WorkerState] = {}

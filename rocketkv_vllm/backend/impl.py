@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from rocketkv_vllm.backend.graphs import selection_width
@@ -92,6 +93,10 @@ class RocketKVImpl(AttentionImpl):
                 state.requests.on_leave.append(state.h2o_scores.forget)
             self.h2o_scores = state.h2o_scores
         self.kept_h2o_log = state.kept_h2o_scores if aids.record_kept_positions else None
+        # rocketkv.stage1_lead_layer: whether this layer follows the lead's
+        # choice (known at the first forward, from the layer's name).
+        self.stage1_followers = state.stage1_followers
+        self.follows_lead: bool | None = None
         # The model's sink logits (a parameter the weight loader fills after
         # this); Stage 1 and 2 read them in fp32, converted once (``_sinks``).
         self.sinks = sinks
@@ -164,25 +169,34 @@ class RocketKVImpl(AttentionImpl):
         self.native.forward(layer, native_query, key, value, kv_cache, md.native, output)
         if not md.adds_work:
             return output
+        if self.follows_lead is None:
+            lead = self.settings.stage1_lead_layer
+            self.follows_lead = extract_layer_index(layer.layer_name) < lead
         n = md.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
         quant = kv_quant_for(self.kv_cache_dtype, layer)
-        for r in md.window_rows:
-            self.window_queries.keep(self, r, query)
-        if md.score_rows:
-            k_cache, _ = split_kv(kv_cache, self.kv_layout, quant)
-            for r in md.score_rows:
-                self.h2o_scores.add(self, r, query, k_cache, self.scale, self._sinks())
-        for r in md.stage1_rows:
-            self._stage1(r, query, kv_cache, quant)
+        if self.follows_lead:  # no scores of its own: the lead's choice comes later
+            for r in md.stage1_rows:
+                self.stage1_followers.setdefault(r.key, []).append((self, layer, kv_cache, r))
+        else:
+            for r in md.window_rows:
+                self.window_queries.keep(self, r, query)
+            if md.score_rows:
+                k_cache, _ = split_kv(kv_cache, self.kv_layout, quant)
+                for r in md.score_rows:
+                    self.h2o_scores.add(self, r, query, k_cache, self.scale, self._sinks())
+            for r in md.stage1_rows:
+                kept = self._stage1(r, query, kv_cache, quant)
+                for follower, f_layer, f_cache, f_row in self.stage1_followers.pop(r.key, ()):
+                    follower._apply_kept(f_row, kept, f_cache, f_layer)
         for rows in md.recompute:
             self._stage2(rows, query, out, kv_cache, quant)
         if md.decode is not None:
             self._stage2(md.decode, query, out, kv_cache, quant)
         return output
 
-    def _stage1(self, r: PromptChunkRow, query, kv_cache, quant) -> None:
+    def _stage1(self, r: PromptChunkRow, query, kv_cache, quant) -> torch.Tensor:
         s, plan = self.settings, r.plan
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
@@ -225,6 +239,32 @@ class RocketKVImpl(AttentionImpl):
             self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
             if scores is not None:
                 self.kept_h2o_log.append(scores.cpu())
+        if self.poison_evicted_blocks:
+            self._poison_evicted(kv_cache, r.block_row, plan, quant)
+        return kept
+
+    def _apply_kept(self, r: PromptChunkRow, kept, kv_cache, layer) -> None:
+        """Stage 1 of a layer before ``stage1_lead_layer``: the lead layer's
+        kept positions compacted onto this layer's cache (called from the
+        lead's forward, same step, before any later read of these blocks)."""
+        s, plan = self.settings, r.plan
+        quant = kv_quant_for(self.kv_cache_dtype, layer)
+        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
+        kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        with self.counters.stage1_timer(kv_cache.device):
+            self.stage1.apply_kept(
+                k_cache,
+                v_cache,
+                kt_cache,
+                r.block_row,
+                kept,
+                plan.num_prompt_tokens,
+                plan.prompt_budget,
+                plan.tail_start,
+                s.page_size,
+            )
+        if self.kept_log is not None:
+            self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
         if self.poison_evicted_blocks:
             self._poison_evicted(kv_cache, r.block_row, plan, quant)
 

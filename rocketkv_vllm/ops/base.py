@@ -84,8 +84,11 @@ class Stage1:
         observation window the choice protects (the last tokens, always kept)."""
         n = int(num_prompt_tokens)
         if prompt_budget >= n:  # rocketkv.evict=false: identity, KT pages only
-            self.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
-            return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
+            kept = torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
+            self.apply_kept(
+                k_cache, v_cache, kt_cache, block_row, kept, n, prompt_budget, tail_start, page_size
+            )
+            return kept
         window = q_window.shape[0] if q_window is not None else int(window_size)
         protect_from = min(n - window, tail_start)
         if keep_rule == "snapkv":
@@ -107,11 +110,36 @@ class Stage1:
             )
         else:
             raise ValueError(f"unknown keep rule {keep_rule!r}")
+        self.apply_kept(
+            k_cache, v_cache, kt_cache, block_row, kept, n, prompt_budget, tail_start, page_size
+        )
+        return kept
+
+    def apply_kept(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kt_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        kept: torch.Tensor,
+        num_prompt_tokens: int,
+        prompt_budget: int,
+        tail_start: int,
+        page_size: int,
+    ) -> None:
+        """Compact ``kept`` [Hkv, prompt_budget] (sorted positions, the tail
+        [tail_start, N) last) onto the prompt's blocks and write the KT pages
+        of the view; with prompt_budget >= N only the KT pages. ``compress``
+        ends here; ``rocketkv.stage1_lead_layer`` applies a later layer's
+        choice to the layers before it this way."""
+        n = int(num_prompt_tokens)
+        if prompt_budget >= n:
+            self.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
+            return
         num_compact = prompt_budget - (n - tail_start)
         self.compact_kept_tokens(k_cache, v_cache, block_row, kept[:, :num_compact])
         self.write_kt_pages(k_cache, kt_cache, block_row, 0, num_compact, page_size)
         self.write_kt_pages(k_cache, kt_cache, block_row, tail_start, n, page_size)
-        return kept
 
 
 @dataclass
