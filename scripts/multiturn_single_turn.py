@@ -7,6 +7,11 @@ multi-turn chat adds from what compression does to a single question.
     .venv/bin/python scripts/multiturn_single_turn.py --conversations 8 \\
         --doc-tokens 2000-6000 --pick 2,5,6,7 --json results/multiturn-single-turn.json
 
+With ``--chat``, each fact is asked as its turn of the chat instead (the
+document, the earlier questions, and the **dense engine's** own earlier
+answers: dense runs first), so every method answers the same prompt and a
+method's own earlier mistakes do not carry into its later turns.
+
 Methods: dense (vLLM's CPU_ATTN), rocketkv (``token_budget`` B), and the
 accuracy harness's ``rocketkv_stage1_only`` / ``rocketkv_stage2_only`` at
 the same split. One engine per conversation and method (the ablations'
@@ -53,6 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="ask fact t as turn t of dense's chat")
+    ap.add_argument(
+        "--rocketkv-extra", default="{}", help="settings (JSON) added to every ROCKETKV method's"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -63,7 +72,7 @@ def main(argv=None) -> int:
     from rocketkv_eval.bench_multiturn import doc_lengths
     from rocketkv_eval.engines import in_process
     from rocketkv_eval.model import resolve_model
-    from rocketkv_eval.multiturn import make_conversation, question_ids
+    from rocketkv_eval.multiturn import make_conversation, prompt_ids, question_ids
 
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -71,16 +80,21 @@ def main(argv=None) -> int:
     picked = (
         [int(c) for c in args.pick.split(",")] if args.pick else list(range(args.conversations))
     )
+    methods = args.methods.split(",")
+    if args.chat and methods[0] != "dense":
+        ap.error("--chat needs dense as the first method (its answers make the chat)")
     rows = []
     for c in picked:
         conv = make_conversation(tokenizer, lengths[c], args.turns, seed=args.seed + c)
         prompts = [question_ids(tokenizer, conv, f) for f in range(args.turns)]
-        length = sum(map(len, prompts)) // len(prompts)
         values = [f.value for f in conv.facts]
-        for method in args.methods.split(","):
+        for method in methods:
+            length = sum(map(len, prompts)) // len(prompts)
             settings = method_settings(
                 method, args.budget, args.max_tokens, head_dim=64, length=length
             )
+            if settings is not None:
+                settings = {**settings, **json.loads(args.rocketkv_extra)}
             kw = dict(
                 model=model,
                 dtype=args.dtype,
@@ -101,9 +115,19 @@ def main(argv=None) -> int:
                 params = SamplingParams(
                     temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens
                 )
-                outs = llm.generate(
-                    [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-                )
+                if args.chat and method == "dense":  # turn by turn, its answers the chat's
+                    outs, answers = [], []
+                    for t in range(args.turns):
+                        prompts[t] = prompt_ids(tokenizer, conv, t, answers)
+                        (out,) = llm.generate(
+                            [{"prompt_token_ids": prompts[t]}], params, use_tqdm=False
+                        )
+                        outs.append(out)
+                        answers.append(out.outputs[0].text)
+                else:
+                    outs = llm.generate(
+                        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+                    )
                 took = time.perf_counter() - t0
             finally:
                 llm.llm_engine.engine_core.shutdown()
