@@ -17,8 +17,9 @@
    ``--policy priority``: vLLM's priority scheduling, whose preemptions may
    withdraw a request scheduled earlier in the same step. ``--runner
    v2-async``: NVIDIA's defaults, Model Runner V2 and async scheduling
-   (``rocketkv_eval.runners``; no host tier, which ROCKETKV refuses on
-   NVIDIA); its ``--records`` are then checked by lone runs on V1
+   (``rocketkv_eval.runners``), with the host tier copying asynchronously
+   as vLLM's CUDA worker does (``--async-copies``; without it, no host
+   tier); its ``--records`` are then checked by lone runs on V1
    (``--check-records``), much faster than on V2's interpreted kernels.
    ``--reselect-every R``: the storm's and the lone runs' engines reuse a
    page selection for up to R decode steps; the store's slots pass between
@@ -450,19 +451,29 @@ def chaos_campaign(
     num_requests: int, seed: int, model: str = "smollm2", partial: str | None = None
 ) -> dict:
     """The abort-and-chaos campaign (issue 57): ``num_requests`` shared
-    among ``CHAOS_CELLS`` (on Model Runner V2 only the cells without a host
-    tier), each a chaos storm (``abort_storm(chaos=True)``) whose completed
+    among ``CHAOS_CELLS`` (on Model Runner V2 the host tier copies
+    asynchronously, as on NVIDIA), each a chaos storm (``abort_storm(chaos=True)``) whose completed
     requests are then checked against lone runs (``oracle_check``). Passes
     with no engine death, no request lost or errored, every pool back at its
     starting count, every completed sample equal to its lone run, and, over
     the campaign, preemptions and an abort aimed at every phase. ``partial``:
     a file rewritten with the cells done after each."""
-    cells = [c for c in CHAOS_CELLS if not (c[1] and _on_model_runner_v2())]
+    cells = CHAOS_CELLS
     per_cell = -(-num_requests // len(cells))
     results = []
     for i, (seqs, host, policy) in enumerate(cells):
+        copies = None
+        if host and _on_model_runner_v2():
+            copies = {"copy_mode": "async", "async_seed": seed + i}
         storm, records = abort_storm(
-            per_cell, seed + i, model, policy, host, max_num_seqs=seqs, chaos=True
+            per_cell,
+            seed + i,
+            model,
+            policy,
+            host,
+            max_num_seqs=seqs,
+            chaos=True,
+            host_copies=copies,
         )
         storm["policy"] = policy
         oracle = oracle_check(records, 1e-3, 1e-3, model=model) if records else {"ok": True}
@@ -921,8 +932,8 @@ def main() -> None:
         "--runner",
         choices=RUNNERS,
         default="v1",
-        help="vLLM's model runner (rocketkv_eval.runners); v2-async is NVIDIA's defaults, "
-        "and the storm then has no host tier, which ROCKETKV refuses on NVIDIA",
+        help="vLLM's model runner (rocketkv_eval.runners); v2-async is NVIDIA's defaults; "
+        "on V2 the storm has a host tier only with --async-copies (as on NVIDIA)",
     )
     parser.add_argument(
         "--device-blocks", type=int, default=None, help="the storm's device pool, in blocks"
@@ -983,7 +994,7 @@ def main() -> None:
         args.seed,
         args.model,
         args.policy,
-        host_tier=args.runner == "v1",
+        host_tier=args.runner == "v1" or args.async_copies is not None,
         device_blocks=args.device_blocks,
         reselect_every=args.reselect_every,
         host_copies=None
