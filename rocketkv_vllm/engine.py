@@ -337,12 +337,14 @@ def check_stage1_lead_layer(kv_cache_spec: dict, vllm_config) -> None:
     from rocketkv_vllm.kv_cache import RocketKVAttentionSpec
 
     lead = settings_for(vllm_config).stage1_lead_layer
+    if not lead:
+        return
     compressed = sorted(
         extract_layer_index(name)
         for name, spec in kv_cache_spec.items()
         if isinstance(spec, RocketKVAttentionSpec)
     )
-    if lead and compressed and compressed[-1] < lead:
+    if compressed and compressed[-1] < lead:
         stage = (
             " on this pipeline stage"
             if vllm_config.parallel_config.pipeline_parallel_size > 1

@@ -171,7 +171,7 @@ class RocketKVImpl(AttentionImpl):
             return output
         if self.follows_lead is None:
             lead = self.settings.stage1_lead_layer
-            self.follows_lead = extract_layer_index(layer.layer_name) < lead
+            self.follows_lead = lead > 0 and extract_layer_index(layer.layer_name) < lead
         n = md.num_actual_tokens
         query = query[:n].view(n, self.num_heads, self.head_size)
         out = output[:n].view(n, self.num_heads, self.head_size)
