@@ -200,7 +200,7 @@ class WorkerState:
         # ... and under keep_rule h2o the scores each kept by ([Hkv, N] fp32).
         self.kept_h2o_scores: list[torch.Tensor] = []
         # rocketkv.stage1_lead_layer: the Stage 1 rows of this step's layers
-        # before the lead, by request key, each (impl, layer, kv_cache, row),
+        # before the lead, by request key, each (impl, row, kv_cache, quant),
         # compacted by the lead layer's forward in the same step.
         self.stage1_followers: dict[int | str, list[tuple]] = {}
 

@@ -38,13 +38,15 @@ VARIANT = {"scale": int(os.environ.get("STAGE2_TOPK_SCALE", "1")), "dense": (0, 
 
 
 def patch_stage2() -> None:
+    from vllm.model_executor.models.utils import extract_layer_index
+
     import rocketkv_vllm.ops.pytorch as ops
     from rocketkv_vllm.backend.impl import RocketKVImpl
 
     forward = RocketKVImpl.forward
 
     def forward_noting_layer(self, layer, *args, **kwargs):
-        VARIANT["layer"] = int(re.search(r"layers\.(\d+)\.", layer.layer_name).group(1))
+        VARIANT["layer"] = extract_layer_index(layer.layer_name)
         return forward(self, layer, *args, **kwargs)
 
     select = ops.select_pages

@@ -9,8 +9,6 @@ replaced), so neither the followers' deferral nor ``Stage1.apply_kept``
 from the lead's forward is shared with the oracle. Evicted blocks poisoned,
 prefix caching off, prompts in several prefill chunks."""
 
-import re
-
 import pytest
 import torch
 from conftest import ids_and_logprobs, make_llm, shutdown
@@ -54,6 +52,8 @@ def _run(llm, prompts):
 
 @pytest.fixture(scope="module")
 def runs(model_path, tokenizer):
+    from vllm.model_executor.models.utils import extract_layer_index
+
     from rocketkv_vllm.backend.impl import RocketKVImpl
     from rocketkv_vllm.ops import base
 
@@ -73,7 +73,7 @@ def runs(model_path, tokenizer):
     forward, choose = RocketKVImpl.forward, base.keep_positions_from_scores
 
     def noting_layer(self, attn_layer, *args, **kwargs):
-        layer["index"] = int(re.search(r"layers\.(\d+)\.", attn_layer.layer_name).group(1))
+        layer["index"] = extract_layer_index(attn_layer.layer_name)
         return forward(self, attn_layer, *args, **kwargs)
 
     def lead_positions(scores, n, *args, **kwargs):

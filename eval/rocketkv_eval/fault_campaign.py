@@ -458,10 +458,9 @@ def chaos_campaign(
     starting count, every completed sample equal to its lone run, and, over
     the campaign, preemptions and an abort aimed at every phase. ``partial``:
     a file rewritten with the cells done after each."""
-    cells = CHAOS_CELLS
-    per_cell = -(-num_requests // len(cells))
+    per_cell = -(-num_requests // len(CHAOS_CELLS))
     results = []
-    for i, (seqs, host, policy) in enumerate(cells):
+    for i, (seqs, host, policy) in enumerate(CHAOS_CELLS):
         copies = None
         if host and _on_model_runner_v2():
             copies = {"copy_mode": "async", "async_seed": seed + i}

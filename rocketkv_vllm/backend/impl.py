@@ -178,7 +178,7 @@ class RocketKVImpl(AttentionImpl):
         quant = kv_quant_for(self.kv_cache_dtype, layer)
         if self.follows_lead:  # no scores of its own: the lead's choice comes later
             for r in md.stage1_rows:
-                self.stage1_followers.setdefault(r.key, []).append((self, layer, kv_cache, r))
+                self.stage1_followers.setdefault(r.key, []).append((self, r, kv_cache, quant))
         else:
             for r in md.window_rows:
                 self.window_queries.keep(self, r, query)
@@ -188,8 +188,8 @@ class RocketKVImpl(AttentionImpl):
                     self.h2o_scores.add(self, r, query, k_cache, self.scale, self._sinks())
             for r in md.stage1_rows:
                 kept = self._stage1(r, query, kv_cache, quant)
-                for follower, f_layer, f_cache, f_row in self.stage1_followers.pop(r.key, ()):
-                    follower._apply_kept(f_row, kept, f_cache, f_layer)
+                for follower, f_row, f_cache, f_quant in self.stage1_followers.pop(r.key, ()):
+                    follower._apply_kept(f_row, kept, f_cache, f_quant)
         for rows in md.recompute:
             self._stage2(rows, query, out, kv_cache, quant)
         if md.decode is not None:
@@ -198,8 +198,7 @@ class RocketKVImpl(AttentionImpl):
 
     def _stage1(self, r: PromptChunkRow, query, kv_cache, quant) -> torch.Tensor:
         s, plan = self.settings, r.plan
-        k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
-        kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
+        k_cache, _ = split_kv(kv_cache, self.kv_layout, quant)
         window = scores = None
         if s.keep_rule == "snapkv":
             window, whole = self.window_queries.take(self, r, query)
@@ -218,37 +217,31 @@ class RocketKVImpl(AttentionImpl):
                     "at its Stage 1; it kept by the chunks they hold"
                 )
         with self.counters.stage1_timer(query.device):
-            kept = self.stage1.compress(
+            kept = self.stage1.choose_kept(
                 k_cache,
-                v_cache,
-                kt_cache,
                 r.block_row,
                 window,
                 plan.num_prompt_tokens,
                 plan.prompt_budget,
                 plan.tail_start,
                 s.kernel_size,
-                s.page_size,
                 self.scale,
                 sinks=self._sinks(),
                 keep_rule=s.keep_rule,
                 h2o_scores=scores,
                 window_size=s.window_size,
             )
-        if self.kept_log is not None:
-            self.kept_log.append((plan.num_prompt_tokens, kept.cpu()))
-            if scores is not None:
-                self.kept_h2o_log.append(scores.cpu())
-        if self.poison_evicted_blocks:
-            self._poison_evicted(kv_cache, r.block_row, plan, quant)
+        self._apply_kept(r, kept, kv_cache, quant)
+        if self.kept_h2o_log is not None and scores is not None:
+            self.kept_h2o_log.append(scores.cpu())
         return kept
 
-    def _apply_kept(self, r: PromptChunkRow, kept, kv_cache, layer) -> None:
-        """Stage 1 of a layer before ``stage1_lead_layer``: the lead layer's
-        kept positions compacted onto this layer's cache (called from the
-        lead's forward, same step, before any later read of these blocks)."""
+    def _apply_kept(self, r: PromptChunkRow, kept, kv_cache, quant) -> None:
+        """Compact ``kept`` onto this layer's cache and write its KT pages: a
+        layer's own choice (``_stage1``), or under ``stage1_lead_layer`` the
+        lead's, called from the lead's forward in the same step, before any
+        later read of these blocks."""
         s, plan = self.settings, r.plan
-        quant = kv_quant_for(self.kv_cache_dtype, layer)
         k_cache, v_cache = split_kv(kv_cache, self.kv_layout, quant)
         kt_cache = kt_cache_view(kv_cache, s.page_size, s.kt_dtype)
         with self.counters.stage1_timer(kv_cache.device):

@@ -70,11 +70,56 @@ class Stage1:
     ) -> torch.Tensor:
         """Choose, compact, build KT for one request (its oracle:
         ``tests/reference/paged.snapkv_compress``, same arguments; sinks: the layer's [Hq]
-        fp32 sink logits, in the window scores' softmax). Returns the kept
-        positions [Hkv, prompt_budget]; with prompt_budget >= the prompt
-        every position is kept and only the KT pages are written. Ties among
-        pooled scores may be broken differently by the Triton kernels than by
-        torch's CPU topk, so kept sets can differ on plateaus.
+        fp32 sink logits, in the window scores' softmax): ``choose_kept``, then
+        ``apply_kept``. Returns the kept positions [Hkv, prompt_budget]; with
+        prompt_budget >= the prompt every position is kept and only the KT
+        pages are written. Ties among pooled scores may be broken differently
+        by the Triton kernels than by torch's CPU topk, so kept sets can
+        differ on plateaus."""
+        kept = self.choose_kept(
+            k_cache,
+            block_row,
+            q_window,
+            num_prompt_tokens,
+            prompt_budget,
+            tail_start,
+            kernel_size,
+            scale,
+            sinks=sinks,
+            keep_rule=keep_rule,
+            h2o_scores=h2o_scores,
+            window_size=window_size,
+        )
+        self.apply_kept(
+            k_cache,
+            v_cache,
+            kt_cache,
+            block_row,
+            kept,
+            num_prompt_tokens,
+            prompt_budget,
+            tail_start,
+            page_size,
+        )
+        return kept
+
+    def choose_kept(
+        self,
+        k_cache: torch.Tensor,
+        block_row: torch.Tensor,
+        q_window: torch.Tensor | None,
+        num_prompt_tokens: int,
+        prompt_budget: int,
+        tail_start: int,
+        kernel_size: int,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+        keep_rule: str = "snapkv",
+        h2o_scores: torch.Tensor | None = None,
+        window_size: int | None = None,
+    ) -> torch.Tensor:
+        """The kept positions [Hkv, prompt_budget] of one request (all N
+        when prompt_budget >= N: ``rocketkv.evict`` false).
 
         keep_rule (``rocketkv.keep_rule``, docs/keep-rules.md) swaps only the
         choice: ``"snapkv"`` scores the prompt with ``q_window``;
@@ -83,37 +128,28 @@ class Stage1:
         (``backend.h2o``). Without ``q_window``, ``window_size`` is the
         observation window the choice protects (the last tokens, always kept)."""
         n = int(num_prompt_tokens)
-        if prompt_budget >= n:  # rocketkv.evict=false: identity, KT pages only
-            kept = torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
-            self.apply_kept(
-                k_cache, v_cache, kt_cache, block_row, kept, n, prompt_budget, tail_start, page_size
-            )
-            return kept
+        if prompt_budget >= n:  # identity
+            return torch.arange(n, device=k_cache.device).expand(k_cache.shape[1], n)
         window = q_window.shape[0] if q_window is not None else int(window_size)
         protect_from = min(n - window, tail_start)
         if keep_rule == "snapkv":
             scores = self.window_scores(q_window, k_cache, block_row, n, scale, sinks=sinks)
-            kept = keep_positions_from_scores(
+            return keep_positions_from_scores(
                 scores, n, prompt_budget, kernel_size, protect_from=protect_from
             )
-        elif keep_rule == "streaming":
-            kept = streaming_keep_positions(
+        if keep_rule == "streaming":
+            return streaming_keep_positions(
                 n,
                 k_cache.shape[1],
                 prompt_budget,
                 protect_from=protect_from,
                 device=k_cache.device,
             ).contiguous()
-        elif keep_rule == "h2o":
-            kept = h2o_keep_positions(
+        if keep_rule == "h2o":
+            return h2o_keep_positions(
                 h2o_scores[:, :n], prompt_budget, recent=window, protect_from=protect_from
             )
-        else:
-            raise ValueError(f"unknown keep rule {keep_rule!r}")
-        self.apply_kept(
-            k_cache, v_cache, kt_cache, block_row, kept, n, prompt_budget, tail_start, page_size
-        )
-        return kept
+        raise ValueError(f"unknown keep rule {keep_rule!r}")
 
     def apply_kept(
         self,
@@ -129,9 +165,9 @@ class Stage1:
     ) -> None:
         """Compact ``kept`` [Hkv, prompt_budget] (sorted positions, the tail
         [tail_start, N) last) onto the prompt's blocks and write the KT pages
-        of the view; with prompt_budget >= N only the KT pages. ``compress``
-        ends here; ``rocketkv.stage1_lead_layer`` applies a later layer's
-        choice to the layers before it this way."""
+        of the view; with prompt_budget >= N only the KT pages. The impl
+        applies every layer's Stage 1 this way, a later layer's choice to the
+        layers before it under ``rocketkv.stage1_lead_layer``."""
         n = int(num_prompt_tokens)
         if prompt_budget >= n:
             self.write_kt_pages(k_cache, kt_cache, block_row, 0, n, page_size)
